@@ -1,0 +1,156 @@
+"""flashtile against the float64 reference, forward and backward, by flash-attn's rule.
+
+On a machine without a GPU the Triton kernels run under the interpreter (conftest);
+the CPU tiled path is tested too. Grids are kept small because the interpreter runs
+each program in numpy: a few hundred ms per case.
+"""
+
+import math
+
+import pytest
+import torch
+from accuracy import assert_accurate
+from conftest import DEVICE
+
+import flashtile
+from flashtile import reference as ref
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The CPU tiled path exists only off the GPU; "triton" is the interpreter there.
+BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the tiled PyTorch path
+    return request.param
+
+
+def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype).requires_grad_()
+
+    q = rand(batch, seqlen_q, nheads_q, head_dim)
+    k = rand(batch, seqlen_k, nheads_k, head_dim)
+    v = rand(batch, seqlen_k, nheads_k, head_dim)
+    do = torch.randn(batch, seqlen_q, nheads_q, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    return q, k, v, do
+
+
+def references(q, k, v, do, causal, softmax_scale=None):
+    """(float64, input-dtype) results of standard attention: out, lse, dq, dk, dv."""
+    results = []
+    for dtype in (torch.float64, q.dtype):
+        qr, kr, vr = (t.detach().transpose(1, 2).to(dtype).requires_grad_() for t in (q, k, v))
+        out, lse, _ = ref.attention_forward(qr, kr, vr, softmax_scale, causal)
+        grads = torch.autograd.grad(out, (qr, kr, vr), do.transpose(1, 2).to(dtype))
+        results.append([out.transpose(1, 2), lse] + [g.transpose(1, 2) for g in grads])
+    return results
+
+
+def check_against_reference(q, k, v, do, causal, softmax_scale=None):
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                            return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    ref64, ref_lowp = references(q, k, v, do, causal, softmax_scale)
+    assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
+    # LSE is float32 in both: judged against float64 directly, -inf where a row sees nothing
+    seen = torch.isfinite(ref64[1])
+    assert torch.equal(torch.isneginf(lse.cpu()), ~seen.cpu())
+    torch.testing.assert_close(lse[seen].double(), ref64[1][seen], rtol=0, atol=1e-5)
+    for name, got, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref_lowp[2:]):
+        assert got.shape == r64.shape and got.dtype == q.dtype
+        assert_accurate(name, got, r64, rlow, factor=3)
+
+
+SEQLENS = [(1, 1), (1, 77), (17, 113), (113, 203), (203, 113), (128, 128)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_seqlens_and_dtypes(backend, dtype, seqlens, causal):
+    check_against_reference(*make_inputs(1, *seqlens, 2, 2, 64, dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")
+def test_head_dims(backend, head_dim, causal):
+    check_against_reference(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gqa_mqa(backend, dtype, heads, causal):
+    check_against_reference(*make_inputs(2, 70, 93, *heads, 40, dtype, seed=2), causal)
+
+
+def test_softmax_scale(backend):
+    check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=0.3)
+
+
+def test_non_contiguous_inputs(backend):
+    # q, k, v as views into one packed (batch, seqlen, 3, nheads, headdim) tensor, and a
+    # transposed dO: strides are honoured, nothing is copied to contiguous first.
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, 59, 3, 4, 48, generator=g).to(DEVICE, torch.float16)
+    q, k, v = (t.requires_grad_() for t in qkv.unbind(2))
+    assert not q.is_contiguous()
+    do = torch.randn(2, 4, 59, 48, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
+    check_against_reference(q, k, v, do, causal=True)
+
+
+def test_sdpa_layout_matches_torch_sdpa(backend):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 75, 40, generator=g).to(DEVICE)
+    k = torch.randn(2, 2, 75, 40, generator=g).to(DEVICE)
+    v = torch.randn(2, 2, 75, 40, generator=g).to(DEVICE)
+    for is_causal in (False, True):
+        out = flashtile.attention(q, k, v, is_causal=is_causal, scale=0.2, enable_gqa=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), is_causal=is_causal, scale=0.2, enable_gqa=True)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_fully_masked_rows(backend):
+    # causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key
+    q, k, v, do = make_inputs(1, 100, 30, 2, 2, 32, torch.float16, seed=6)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    assert (out[:, :70] == 0).all() and torch.isneginf(lse[:, :, :70]).all()
+    assert (dq[:, :70] == 0).all()
+    for t in (out, lse[:, :, 70:], dq, dk, dv):
+        assert torch.isfinite(t).all()
+    check_against_reference(q, k, v, do, causal=True)
+
+
+def test_backward_is_deterministic(backend):
+    q, k, v, do = make_inputs(2, 150, 150, 4, 2, 64, torch.bfloat16, seed=7)
+    first = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+    second = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 5), (2, 0, 5), (2, 5, 0)], ids=["batch0", "seqlen_q0", "seqlen_k0"])
+def test_empty_inputs(backend, shape):
+    batch, seqlen_q, seqlen_k = shape
+    q, k, v, do = make_inputs(batch, seqlen_q, seqlen_k, 2, 2, 16, torch.float32)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (batch, 2, seqlen_q)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, (q, k, v)))
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(backend):
+    q, k, v, _ = make_inputs(1, 20, 20, 1, 1, 36, torch.float32, seed=8)
+    torch.testing.assert_close(flashtile.flash_attn_func(q, k, v),
+                               flashtile.flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(36)))
