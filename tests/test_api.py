@@ -32,14 +32,39 @@ def test_bad_inputs_raise_clear_errors(make, error, message):
         flashtile.flash_attn_func(*make())
 
 
+def varlen_inputs(total_q=10, total_k=12, nheads=4, nheads_k=2, head_dim=32):
+    q = torch.randn(total_q, nheads, head_dim)
+    k, v = torch.randn(total_k, nheads_k, head_dim), torch.randn(total_k, nheads_k, head_dim)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k, 6, 7
+
+
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(dropout_p=0.1), dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(4))],
-    ids=["dropout", "window", "softcap", "alibi"],
+    "change, error, message",
+    [
+        (lambda a: (a[0].unsqueeze(0), *a[1:]), ValueError, r"q must be 3-D, got shape \(1, 10, 4, 32\)"),
+        (lambda a: (*a[:3], a[3].long(), *a[4:]), TypeError, r"cu_seqlens_q must be a 1-D int32 tensor"),
+        (lambda a: (*a[:4], torch.tensor([0, 12], dtype=torch.int32), *a[5:]), ValueError,
+         "must have the same length"),
+        (lambda a: (*a[:5], 6.0, 7), TypeError, "max_seqlen_q must be an int"),
+    ],
+    ids=["q-rank", "cu-dtype", "cu-lengths", "max-seqlen-float"],
 )
-def test_features_of_later_issues_are_refused(kwargs):
-    with pytest.raises(NotImplementedError, match=next(iter(kwargs))):
-        flashtile.flash_attn_func(*qkv(), **kwargs)
+def test_varlen_bad_inputs_raise_clear_errors(change, error, message):
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_varlen_func(*change(varlen_inputs()))
+
+
+def test_packed_inputs_need_their_packing_dim():
+    with pytest.raises(ValueError, match=r"qkv must have size 3 in dim -3, got shape \(2, 16, 2, 4, 32\)"):
+        flashtile.flash_attn_qkvpacked_func(torch.randn(2, 16, 2, 4, 32))
+
+
+def test_sdpa_api_refuses_mask_with_causal():
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):
+        flashtile.attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
 
 
 def test_sdpa_api_requires_enable_gqa_for_fewer_kv_heads():

@@ -1,7 +1,27 @@
 """flashtile: exact FlashAttention for PyTorch, in Triton kernels, with an O(N)-memory CPU path."""
 
 from . import reference
-from .interface import attention, flash_attn_func
+from .interface import (
+    attention,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from .merge import merge_attention_states, merge_split_attention_states
 
-__all__ = ["attention", "flash_attn_func", "reference"]
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "merge_attention_states",
+    "merge_split_attention_states",
+    "reference",
+]
 __version__ = "0.1.0"

@@ -1,71 +1,73 @@
-"""The one autograd layer: dispatch by device to the Triton kernels or the CPU tiled path.
+"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` ops.
 
-Tensors here are in flash-attn's layout (batch, seqlen, nheads, headdim), already
-validated by ``flashtile.interface``. CUDA tensors run the Triton kernels; CPU
-tensors run ``flashtile.reference``'s tiled algorithm (O(N) memory), except under
-``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the CPU.
+Inputs come separate ``(q, k, v)`` or packed (``qkv`` stacked on dim −3, or ``q`` and
+``kv``); packed inputs are split into views, never copied, and the backward writes
+the gradients straight into the slices of one packed gradient, with no
+concatenation. Tensors here are already validated by ``flashtile.interface``.
+Only the tensors the backward needs are saved: the inputs, out and the
+log-sum-exp (plus the bias, ALiBi slopes, dropout seed and cu_seqlens if given).
 """
 
 from __future__ import annotations
 
-import math
-import os
+from typing import NamedTuple
 
 import torch
 
-from . import reference
+SEPARATE, QKV_PACKED, KV_PACKED = "separate", "qkv", "kv"
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether tensors on ``t``'s device run the Triton kernels."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+class Scalars(NamedTuple):
+    """The non-tensor arguments of one call; ``window_right`` already includes causal (0)."""
+
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
 
 
-def _forward(q, k, v, softmax_scale, causal):
-    batch, seqlen_q, nheads_q, _ = q.shape
-    if batch * nheads_q * seqlen_q == 0 or k.shape[1] == 0:
-        # nothing to attend: output 0, log-sum-exp -inf
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.full((batch, nheads_q, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
-        return out, lse
-    if uses_triton(q):
-        from .kernels import flash_attn_forward
-
-        return flash_attn_forward(q, k, v, softmax_scale, causal)
-    out, lse = reference.tiled_attention_forward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal
-    )
-    return out.transpose(1, 2), lse.float()
-
-
-def _backward(dout, q, k, v, out, lse, softmax_scale, causal):
-    if q.shape[0] * q.shape[2] * q.shape[1] == 0 or k.shape[1] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if uses_triton(q):
-        from .kernels import flash_attn_backward
-
-        return flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal)
-    dq, dk, dv = reference.tiled_attention_backward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        out.transpose(1, 2), lse, dout.transpose(1, 2), softmax_scale, causal,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+def _unpack(layout, a, b, c):
+    if layout == QKV_PACKED:
+        return a.unbind(-3)
+    if layout == KV_PACKED:
+        return (a, *b.unbind(-3))
+    return a, b, c
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """Exact attention; saves only q, k, v, out and the log-sum-exp for the backward."""
+    """Exact attention: ``apply(layout, a, b, c, attn_bias, alibi_slopes, dropout_seed,
+    cu_seqlens_q, cu_seqlens_k, scalars)`` → (out, lse); (a, b, c) is (q, k, v),
+    (qkv, None, None) or (q, kv, None) by ``layout``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool):
-        out, lse = _forward(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale = softmax_scale
-        ctx.causal = causal
+    def forward(ctx, layout, a, b, c, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                scalars: Scalars):
+        q, k, v = _unpack(layout, a, b, c)
+        out, lse = torch.ops.flashtile.fwd(
+            q, k, v, scalars.softmax_scale, scalars.window_left, scalars.window_right, scalars.softcap,
+            alibi_slopes, attn_bias, scalars.dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+            scalars.max_seqlen_q, scalars.max_seqlen_k,
+        )
+        ctx.save_for_backward(a, b, c, out, lse, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+        ctx.layout = layout
+        ctx.scalars = scalars
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-        return dq, dk, dv, None, None
+        a, b, c, out, lse, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        scalars, layout = ctx.scalars, ctx.layout
+        q, k, v = _unpack(layout, a, b, c)
+        grads = [torch.empty_like(t) if t is not None else None for t in (a, b, c)]
+        dq, dk, dv = _unpack(layout, *grads)
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
+        dbias = torch.ops.flashtile.bwd(
+            dout, q, k, v, out, lse, dq, dk, dv, scalars.softmax_scale, scalars.window_left,
+            scalars.window_right, scalars.softcap, alibi_slopes, attn_bias, bias_grad, scalars.dropout_p,
+            dropout_seed, cu_seqlens_q, cu_seqlens_k, scalars.max_seqlen_q, scalars.max_seqlen_k,
+        )
+        return (None, *grads, dbias if bias_grad else None, None, None, None, None, None)

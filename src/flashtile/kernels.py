@@ -2,36 +2,49 @@
 
 Algorithm (FlashAttention-2 ordering, mirrored by ``flashtile.reference``):
 
-* forward, one program per (Q block, batch·head): walk the visible K/V blocks
-  with an online softmax in base 2 (``log2 e`` is folded into the scale so the
-  inner loop uses ``exp2``), rescale the running sum and the unnormalised output
-  by ``exp2(m_old − m_new)``, divide by ``ℓ`` once, and write O and the
-  log-sum-exp ``L = (m + log2 ℓ) · ln 2`` — **natural log**, float32;
+* forward, one program per (Q block, batch·head): walk the K/V blocks the Q
+  block can see with an online softmax in base 2 (``log2 e`` is folded into the
+  scale so the inner loop uses ``exp2``), rescale the running sum and the
+  unnormalised output by ``exp2(m_old − m_new)``, divide by ``ℓ`` once, and
+  write O and the log-sum-exp ``L = (m + log2 ℓ) · ln 2`` — **natural log**, float32;
 * backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32;
 * backward dK/dV, one program per (K block, batch·KV head): loop over the query
   heads of its GQA group and over the Q blocks that see it, recompute
-  ``Pᵀ = exp2(K Qᵀ·scale·log2 e − L·log2 e)``; ``dV += Pᵀ dO``,
-  ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dP − D)``;
+  ``Pᵀ = exp2(S·log2 e − L·log2 e)``; ``dV += Pᵀ dO``,
+  ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dP − D)``; it also writes dS itself
+  as the gradient of an additive bias;
 * backward dQ, one program per (Q block, batch·head): ``dQ += scale · dS K``.
+
+Variants are constexpr switches, so the plain path compiles without them (the
+score pipeline and block ranges are in ``flashtile.scores``): sliding window and
+causal (``MASK_LEFT``/``MASK_RIGHT``; blocks outside the window are skipped),
+softcap, ALiBi, an additive bias, dropout on P (Philox; the backward regenerates
+the mask), and variable-length batches (``IS_VARLEN``: sequences packed along
+one token axis, located through ``cu_seqlens``; the grid covers the longest).
 
 No atomics anywhere: every output element is written by exactly one program,
 so the backward is bitwise deterministic run to run.
 
-Conventions: tensors in (batch, seqlen, nheads, headdim) with arbitrary strides;
-query head ``h`` uses KV head ``h // (nheads_q // nheads_k)``; causal masking
-is aligned to the bottom-right corner (query ``i`` sees key ``j`` iff
-``j ≤ i + seqlen_k − seqlen_q``); a row that sees no key gets output 0 and
-log-sum-exp −inf. Head dims 1..256 are padded inside to a power of two ≥ 16
-(masked loads; the user never pads). float32 inputs use IEEE float32 dots.
+Conventions: tensors in (batch, seqlen, nheads, headdim), or (total, nheads,
+headdim) when packed, with arbitrary strides; query head ``h`` uses KV head
+``h // (nheads_q // nheads_k)``; causal masking is aligned to the bottom-right
+corner (query ``i`` sees key ``j`` iff ``j ≤ i + seqlen_k − seqlen_q``), per
+sequence; a row that sees no key gets output 0 and log-sum-exp −inf. The
+log-sum-exp is (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
+Head dims 1..256 are padded inside to a power of two ≥ 16 (masked loads; the
+user never pads). float32 inputs use IEEE float32 dots.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .scores import _dropout_keep, _key_range, _query_range, _scores_log2, _tanh, _visible
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from ._interpreter import patch_bf16_dot
@@ -42,15 +55,29 @@ LOG2E = 1.4426950408889634  # 1 / ln 2; kernels repeat it as a literal (no globa
 
 
 @triton.jit
+def _sequence_bounds(i_b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence ``i_b``: packed through cu_seqlens, or the whole axis."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + i_b)
+        return start, tl.load(CuSeqlens + i_b + 1) - start
+    return 0, seqlen
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
-    nheads_q, group_size, seqlen_q, seqlen_k, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab,
+    nheads_q, group_size, seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
@@ -58,6 +85,10 @@ def _attn_fwd_kernel(
     i_b = i_bh // nheads_q
     i_hq = i_bh % nheads_q
     i_hk = i_hq // group_size
+    q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    if i_m * BLOCK_M >= seqlen_q:
+        return  # a packed sequence shorter than the longest
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
@@ -65,31 +96,44 @@ def _attn_fwd_kernel(
     m_m = o_m < seqlen_q
     m_d = o_d < HEAD_DIM
 
-    p_q = Q + i_b * stride_qb + i_hq * stride_qh + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd
+    p_q = (Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+           + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd)
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    k_base = K + i_b * stride_kb + i_hk * stride_kh
-    v_base = V + i_b * stride_vb + i_hk * stride_vh
+    k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
+    alibi_slope_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        dropout_scale = 1.0 / (1.0 - dropout_p)
 
-    diagonal = seqlen_k - seqlen_q  # bottom-right causal alignment
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = tl.minimum(seqlen_k, (i_m + 1) * BLOCK_M + diagonal)
+    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
+    lo, hi = _key_range(i_m * BLOCK_M, (i_m + 1) * BLOCK_M, diagonal, seqlen_k, window_left, window_right,
+                        MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
         b_k = tl.load(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd,
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         b_v = tl.load(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd,
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        # scores in base 2: s = q·k · scale · log2(e)
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
+                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+            s += b_bias.to(tl.float32) * 1.4426950408889634
         visible = m_n[None, :]
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= o_m[:, None] + diagonal)
+        if MASK_LEFT or MASK_RIGHT:
+            visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
+                                         MASK_LEFT, MASK_RIGHT)
         s = tl.where(visible, s, float("-inf"))
         # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
         #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
@@ -97,7 +141,10 @@ def _attn_fwd_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
+            p = tl.where(keep, p * dropout_scale, 0.0)
         # -- rescale the unnormalised output and add this block
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
@@ -106,37 +153,42 @@ def _attn_fwd_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
-    p_o = Out + i_b * stride_ob + i_hq * stride_oh + o_m[:, None] * stride_os + o_d[None, :] * stride_od
+    p_o = (Out + i_b * stride_ob + q_start * stride_os + i_hq * stride_oh
+           + o_m[:, None] * stride_os + o_d[None, :] * stride_od)
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-    tl.store(Lse + i_b * stride_lb + i_hq * stride_lh + o_m, lse, mask=m_m)
+    tl.store(Lse + i_b * stride_lb + i_hq * stride_lh + q_start + o_m, lse, mask=m_m)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    Out, DOut, Delta,
+    Out, DOut, Delta, CuSeqlensQ,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh,
     nheads_q, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_q
     i_h = i_bh % nheads_q
+    q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
-    mask = (o_m < seqlen_q)[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_o = tl.load(Out + i_b * stride_ob + i_h * stride_oh + o_m[:, None] * stride_os + o_d[None, :] * stride_od,
+    m_m = o_m < seqlen_q
+    mask = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
+    rows = q_start + o_m
+    b_o = tl.load(Out + i_b * stride_ob + i_h * stride_oh + rows[:, None] * stride_os + o_d[None, :] * stride_od,
                   mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_h * stride_doh + o_m[:, None] * stride_dos + o_d[None, :] * stride_dod,
+    b_do = tl.load(DOut + i_b * stride_dob + i_h * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
                    mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    # D_i = rowsum(dO_i ∘ O_i); Delta is contiguous [batch, nheads_q, seqlen_q]
-    tl.store(Delta + i_bh * seqlen_q + o_m, tl.sum(b_o * b_do, 1), mask=o_m < seqlen_q)
+    # D_i = rowsum(dO_i ∘ O_i); Delta has the log-sum-exp's layout
+    tl.store(Delta + i_b * stride_lb + i_h * stride_lh + rows, tl.sum(b_o * b_do, 1), mask=m_m)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DBias, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -144,14 +196,23 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh,
-    nheads_q, nheads_k, group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab,
+    nheads_q, nheads_k, group_size, seqlen_q, seqlen_k, sm_scale,
+    qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
+    q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    if i_n * BLOCK_N >= seqlen_k:
+        return  # a packed sequence shorter than the longest
 
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = tl.arange(0, BLOCK_M)
@@ -159,27 +220,35 @@ def _attn_bwd_dkdv_kernel(
     m_n = o_n < seqlen_k
     m_d = o_d < HEAD_DIM
     mask_nd = m_n[:, None] & m_d[None, :]
-    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_ks + o_d[None, :] * stride_kd,
+    keys = k_start + o_n
+    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vs + o_d[None, :] * stride_vd,
+    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_d[None, :] * stride_vd,
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        dropout_scale = 1.0 / (1.0 - dropout_p)
 
     diagonal = seqlen_k - seqlen_q
-    lo = 0
-    if IS_CAUSAL:
-        # first query row that sees key i_n * BLOCK_N, rounded down to a block
-        lo = (tl.maximum(i_n * BLOCK_N - diagonal, 0) // BLOCK_M) * BLOCK_M
+    lo, hi = _query_range(i_n * BLOCK_N, (i_n + 1) * BLOCK_N, diagonal, seqlen_q, window_left, window_right,
+                          MASK_LEFT, MASK_RIGHT, BLOCK_M)
 
     # The whole GQA group of query heads is summed here: dK/dV need no atomics.
     for g in range(0, group_size):
         i_hq = i_hk * group_size + g
-        q_base = Q + i_b * stride_qb + i_hq * stride_qh
-        do_base = DOut + i_b * stride_dob + i_hq * stride_doh
-        lse_base = Lse + i_b * stride_lb + i_hq * stride_lh
-        delta_base = Delta + (i_b * nheads_q + i_hq) * seqlen_q
-        for start_m in range(lo, seqlen_q, BLOCK_M):
+        i_bhq = i_b * nheads_q + i_hq
+        q_base = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+        do_base = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
+        lse_base = Lse + i_b * stride_lb + i_hq * stride_lh + q_start
+        delta_base = Delta + i_b * stride_lb + i_hq * stride_lh + q_start
+        bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
+        dbias_base = DBias + i_bhq * seqlen_q * seqlen_k  # dense [batch, nheads_q, seqlen_q, seqlen_k]
+        alibi_slope_log2 = 0.0
+        if HAS_ALIBI:
+            alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + o_m
             m_m = rows < seqlen_q
             mask_md = m_m[:, None] & m_d[None, :]
@@ -191,34 +260,60 @@ def _attn_bwd_dkdv_kernel(
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             # rows that saw no key have lse = -inf: exp2(s - inf) = 0
             lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-            s_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            s_t = _scores_log2(qk_t, rows[None, :], o_n[:, None], diagonal, qk_scale, softcap_scale, softcap_log2,
+                               alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+            if HAS_BIAS:
+                b_bias = tl.load(bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
+                                 mask=m_n[:, None] & m_m[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
+                s_t += b_bias.to(tl.float32) * 1.4426950408889634
             visible = m_n[:, None] & m_m[None, :]
-            if IS_CAUSAL:
-                visible = visible & (o_n[:, None] <= rows[None, :] + diagonal)
+            if MASK_LEFT or MASK_RIGHT:
+                visible = visible & _visible(rows[None, :], o_n[:, None], diagonal, window_left, window_right,
+                                             MASK_LEFT, MASK_RIGHT)
             p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)  # Pᵀ [BLOCK_N, BLOCK_M]
-            b_dv = tl.dot(p_t.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
             dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
-            ds_t = p_t * (dp_t - b_delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D)
+            if HAS_DROPOUT:
+                # O = (P ∘ Z) V with Z = keep / (1 − p): dV uses P ∘ Z, and dP reaches P through Z
+                keep_t = _dropout_keep(seed, rows[None, :], o_n[:, None], i_bhq, dropout_p)
+                b_dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(b_do.dtype), b_do, b_dv,
+                              input_precision=DOT_PRECISION)
+                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+            else:
+                b_dv = tl.dot(p_t.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - b_delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D), natural-log units
+            if BIAS_GRAD:
+                tl.store(dbias_base + rows[None, :] * seqlen_k + o_n[:, None], ds_t,
+                         mask=m_n[:, None] & m_m[None, :])
+            if HAS_SOFTCAP:
+                # d(c·tanh(x/c))/dx = 1 − tanh²
+                t = _tanh(qk_t * softcap_scale)
+                ds_t = ds_t * (1.0 - t * t)
             b_dk = tl.dot(ds_t.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
 
     b_dk = b_dk * sm_scale
-    tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :] * stride_dkd,
+    tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + keys[:, None] * stride_dks + o_d[None, :] * stride_dkd,
              b_dk.to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + o_n[:, None] * stride_dvs + o_d[None, :] * stride_dvd,
+    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + keys[:, None] * stride_dvs + o_d[None, :] * stride_dvd,
              b_dv.to(DV.dtype.element_ty), mask=mask_nd)
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ,
+    Q, K, V, DOut, Lse, Delta, DQ, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
-    nheads_q, group_size, seqlen_q, seqlen_k, sm_scale, qk_scale,
-    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab,
+    nheads_q, group_size, seqlen_q, seqlen_k, sm_scale,
+    qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
@@ -226,6 +321,10 @@ def _attn_bwd_dq_kernel(
     i_b = i_bh // nheads_q
     i_hq = i_bh % nheads_q
     i_hk = i_hq // group_size
+    q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    if i_m * BLOCK_M >= seqlen_q:
+        return  # a packed sequence shorter than the longest
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
@@ -233,45 +332,93 @@ def _attn_bwd_dq_kernel(
     m_m = o_m < seqlen_q
     m_d = o_d < HEAD_DIM
     mask_md = m_m[:, None] & m_d[None, :]
-    b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd,
+    rows = q_start + o_m
+    b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + o_m[:, None] * stride_dos + o_d[None, :] * stride_dod,
+    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
                    mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + o_m, mask=m_m, other=0.0)  # [BLOCK_M]
-    b_delta = tl.load(Delta + i_bh * seqlen_q + o_m, mask=m_m, other=0.0)  # [BLOCK_M]
+    b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
+    b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-    k_base = K + i_b * stride_kb + i_hk * stride_kh
-    v_base = V + i_b * stride_vb + i_hk * stride_vh
+    k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
+    alibi_slope_log2 = 0.0
+    if HAS_ALIBI:
+        alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        dropout_scale = 1.0 / (1.0 - dropout_p)
 
     diagonal = seqlen_k - seqlen_q
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = tl.minimum(seqlen_k, (i_m + 1) * BLOCK_M + diagonal)
+    lo, hi = _key_range(i_m * BLOCK_M, (i_m + 1) * BLOCK_M, diagonal, seqlen_k, window_left, window_right,
+                        MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
         b_k = tl.load(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd,
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         b_v = tl.load(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd,
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
+                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+            s += b_bias.to(tl.float32) * 1.4426950408889634
         visible = m_m[:, None] & m_n[None, :]
-        if IS_CAUSAL:
-            visible = visible & (cols[None, :] <= o_m[:, None] + diagonal)
+        if MASK_LEFT or MASK_RIGHT:
+            visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
+                                         MASK_LEFT, MASK_RIGHT)
         p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)  # P_ij = exp(S_ij − L_i)
         dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - b_delta[:, None])
+        if HAS_SOFTCAP:
+            t = _tanh(qk * softcap_scale)
+            ds = ds * (1.0 - t * t)
         b_dq = tl.dot(ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
 
     b_dq = b_dq * sm_scale
-    tl.store(DQ + i_b * stride_dqb + i_hq * stride_dqh + o_m[:, None] * stride_dqs + o_d[None, :] * stride_dqd,
+    tl.store(DQ + i_b * stride_dqb + i_hq * stride_dqh + rows[:, None] * stride_dqs + o_d[None, :] * stride_dqd,
              b_dq.to(DQ.dtype.element_ty), mask=mask_md)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What changes the scores or the layout of one attention call; defaults are the plain path.
+
+    ``window`` is (left, right) with −1 unbounded, causal already folded in as right = 0.
+    ``cu_seqlens_q/k`` (int32, batch + 1) mark a packed batch; ``max_seqlen_q/k`` size its grid.
+    ``dropout_seed`` is an int64 tensor of one element on the inputs' device.
+    """
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    attn_bias: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    dropout_seed: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+
+PLAIN = Variant()
 
 
 def _block_d(head_dim: int) -> int:
@@ -303,60 +450,128 @@ def _bwd_config(block_d: int, dtype: torch.dtype) -> dict:
 
 
 def _strides4(t: torch.Tensor):
+    """(batch, seq, head, dim) strides; a packed (total, head, dim) tensor has batch stride 0."""
+    if t.dim() == 3:
+        return 0, t.stride(0), t.stride(1), t.stride(2)
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
-def flash_attn_forward(q, k, v, softmax_scale: float, causal: bool):
-    """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides) → (out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)."""
-    batch, seqlen_q, nheads_q, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+def _shape(q, k, variant: Variant):
+    """(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim); seqlens are the grid's maxima."""
+    if variant.is_varlen:
+        return (variant.cu_seqlens_q.numel() - 1, variant.max_seqlen_q, variant.max_seqlen_k,
+                q.shape[1], k.shape[1], q.shape[2])
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+
+def _lse_empty(q, batch, nheads_q, seqlen_q, variant: Variant):
+    if variant.is_varlen:
+        return torch.empty((nheads_q, q.shape[0]), dtype=torch.float32, device=q.device)
+    return torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+
+
+def _lse_strides(lse: torch.Tensor):
+    """(batch, head) strides of the log-sum-exp; the token stride is 1 in both layouts."""
+    return (0, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+
+
+def _variant_args(variant: Variant, softmax_scale: float, q: torch.Tensor, shape):
+    """Pointers, strides, scalars and constexprs shared by the three kernels."""
+    batch, seqlen_q, seqlen_k, nheads_q, _, _ = shape
+    bias = variant.attn_bias
+    if bias is not None:
+        bias = bias.expand(batch, nheads_q, seqlen_q, seqlen_k)  # a view: broadcast dims get stride 0
+    slopes = variant.alibi_slopes
+    softcap = variant.softcap
+    left, right = variant.window
+    pointers = dict(
+        Bias=bias if bias is not None else q, AlibiSlopes=slopes if slopes is not None else q,
+        Seed=variant.dropout_seed if variant.dropout_seed is not None else q,
+        CuSeqlensQ=variant.cu_seqlens_q if variant.is_varlen else q,
+        CuSeqlensK=variant.cu_seqlens_k if variant.is_varlen else q,
+    )
+    strides = dict(
+        stride_bb=bias.stride(0) if bias is not None else 0, stride_bh=bias.stride(1) if bias is not None else 0,
+        stride_bm=bias.stride(2) if bias is not None else 0, stride_bn=bias.stride(3) if bias is not None else 0,
+        stride_ab=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+    )
+    scalars = dict(
+        qk_scale=softmax_scale * LOG2E,
+        softcap_scale=softmax_scale / softcap if softcap > 0 else 1.0,
+        softcap_log2=softcap * LOG2E,
+        window_left=left, window_right=right, dropout_p=variant.dropout_p,
+    )
+    constexprs = dict(
+        MASK_LEFT=left >= 0, MASK_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
+        HAS_BIAS=bias is not None, HAS_DROPOUT=variant.dropout_p > 0, IS_VARLEN=variant.is_varlen,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return pointers, strides, scalars, constexprs
+
+
+def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
+    """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
+    ``variant.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
+    shape = _shape(q, k, variant)
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = _lse_empty(q, batch, nheads_q, seqlen_q, variant)
     block_d = _block_d(head_dim)
     cfg = _fwd_config(block_d, q.dtype)
+    pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
     grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-        lse.stride(0), lse.stride(1),
-        nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale * LOG2E,
-        IS_CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), **cfg,
+        q, k, v, out, lse, *pointers.values(),
+        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *_lse_strides(lse),
+        *strides.values(),
+        nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, *scalars.values(),
+        **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg,
     )
     return out, lse
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool):
-    """Gradients (dq, dk, dv) shaped and typed like q, k, v; deterministic (no atomics)."""
-    batch, seqlen_q, nheads_q, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    group_size = nheads_q // nheads_k
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: Variant = PLAIN,
+                        dq=None, dk=None, dv=None, bias_grad: bool = False):
+    """Gradients (dq, dk, dv, dbias) of :func:`flash_attn_forward`; deterministic (no atomics).
+
+    ``dq``/``dk``/``dv`` may be given as (possibly strided) buffers to write into, such as the
+    slices of a packed gradient. ``dbias`` is the bias gradient reduced to the bias's shape
+    when ``bias_grad``, else None.
+    """
+    shape = _shape(q, k, variant)
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     block_d = _block_d(head_dim)
     cfg = _bwd_config(block_d, q.dtype)
-    precision = _dot_precision(q.dtype)
+    pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
 
-    delta = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
     _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads_q)](
-        out, dout, delta, *_strides4(out), *_strides4(dout), nheads_q, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
+        out, dout, delta, pointers["CuSeqlensQ"], *_strides4(out), *_strides4(dout), *_lse_strides(lse),
+        nheads_q, seqlen_q, IS_VARLEN=variant.is_varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
     )
 
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(IS_CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=precision, **cfg)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    dbias = None
+    if bias_grad:
+        # zeros: entries in blocks that the window skips are never written
+        dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
+    common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg)
     _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg["BLOCK_N"]), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
-        lse.stride(0), lse.stride(1),
-        nheads_q, nheads_k, group_size, seqlen_q, seqlen_k, softmax_scale, softmax_scale * LOG2E,
-        **common,
+        *_lse_strides(lse), *strides.values(),
+        nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
+        BIAS_GRAD=bias_grad, **common,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
-        lse.stride(0), lse.stride(1),
-        nheads_q, group_size, seqlen_q, seqlen_k, softmax_scale, softmax_scale * LOG2E,
+        *_lse_strides(lse), *strides.values(),
+        nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         **common,
     )
-    return dq, dk, dv
+    if dbias is not None:
+        dbias = dbias.sum_to_size(variant.attn_bias.shape).to(variant.attn_bias.dtype)
+    return dq, dk, dv, dbias

@@ -1,21 +1,175 @@
-"""Forward and backward of one attention call as plain functions (no autograd).
+"""flashtile's two operators, registered with ``torch.library`` so that torch.compile sees them.
 
-For code that composes attention calls itself, such as ring attention, which runs
-the backward of each block against the global output and log-sum-exp.
-Layout (batch, seqlen, nheads, headdim); the log-sum-exp is (batch, nheads, seqlen),
-natural log, float32.
+``flashtile::fwd`` and ``flashtile::bwd`` are one attention call's forward and
+backward as plain operators (no autograd), with fake implementations that give
+the output shapes without running anything: ``torch.compile(fullgraph=True)``
+traces through them with no graph break and no host sync. The backward writes
+into ``dq``/``dk``/``dv`` buffers it is given (it mutates them), so the packed
+functions can hand it the slices of one packed gradient.
+
+Each dispatches by device: CUDA tensors run the Triton kernels; CPU tensors run
+``flashtile.reference``'s tiled algorithm (O(N) memory), except under
+``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the CPU.
+
+Layout (batch, seqlen, nheads, headdim), or (total, nheads, headdim) with
+``cu_seqlens``; the log-sum-exp is (batch, nheads, seqlen_q), or (nheads,
+total_q), natural log, float32. ``window_left/right`` already include causal
+(right = 0); −1 is unbounded.
 """
 
 from __future__ import annotations
 
-from .autograd import _backward, _forward
+import math
+import os
+
+import torch
+
+from . import reference
+
+__all__ = ["attention_forward", "attention_backward", "uses_triton"]
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool):
-    """→ (out, lse)."""
-    return _forward(q, k, v, softmax_scale, causal)
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether tensors on ``t``'s device run the Triton kernels."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool):
-    """→ (dq, dk, dv), with P rebuilt from ``lse`` and D = rowsum(dout ∘ out)."""
-    return _backward(dout, q, k, v, out, lse, softmax_scale, causal)
+def _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    from .kernels import Variant
+
+    return Variant((window_left, window_right), softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed):
+    return dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                attn_bias=attn_bias, dropout_p=dropout_p,
+                dropout_seed=int(dropout_seed.item()) if dropout_seed is not None else None)
+
+
+def _lse_shape(q, k, cu_seqlens_q):
+    if cu_seqlens_q is not None:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _attends_nothing(q, k, cu_seqlens_q) -> bool:
+    token_axis = 0 if cu_seqlens_q is not None else 1
+    return q.numel() == 0 or k.shape[token_axis] == 0
+
+
+@torch.library.custom_op("flashtile::fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float,
+    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None,
+    dropout_p: float, dropout_seed: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _attends_nothing(q, k, cu_seqlens_q):
+        # nothing to attend: output 0, log-sum-exp -inf
+        return q.new_zeros(q.shape), torch.full(_lse_shape(q, k, cu_seqlens_q), -math.inf, device=q.device)
+    if uses_triton(q):
+        from .kernels import flash_attn_forward
+
+        variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return flash_attn_forward(q, k, v, softmax_scale, variant)
+    options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
+                                 dropout_seed)
+    if cu_seqlens_q is not None:
+        out, lse = reference.tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                                                            **options)
+        return out, lse.float()
+    out, lse = reference.tiled_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 softmax_scale, **options)
+    return out.transpose(1, 2).contiguous(), lse.float()
+
+
+@_fwd.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
+      dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, k, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::bwd", mutates_args=("dq", "dk", "dv"))
+def _bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float,
+    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None, bias_grad: bool,
+    dropout_p: float, dropout_seed: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int,
+) -> torch.Tensor:
+    """Writes dq, dk, dv; returns the bias gradient (shaped like attn_bias), or an empty tensor."""
+    no_bias_grad = q.new_empty((0,), dtype=torch.float32)
+    if _attends_nothing(q, k, cu_seqlens_q):
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return torch.zeros_like(attn_bias) if bias_grad else no_bias_grad
+    if uses_triton(q):
+        from .kernels import flash_attn_backward
+
+        variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        *_, dbias = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, variant, dq, dk, dv, bias_grad)
+        return dbias if bias_grad else no_bias_grad
+    options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
+                                 dropout_seed)
+    if cu_seqlens_q is not None:
+        grads = reference.tiled_varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
+                                                          softmax_scale, **options)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+        return no_bias_grad
+    *grads, dbias = reference.tiled_attention_backward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
+        softmax_scale, **options,
+    )
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad.transpose(1, 2))
+    return dbias.to(attn_bias.dtype) if bias_grad else no_bias_grad
+
+
+@_bwd.register_fake
+def _(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+      attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return torch.empty_like(attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+
+
+def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None):
+    """One attention call's forward, no autograd: (q, k, v) → (out, lse).
+
+    For code that composes attention calls itself, such as ring attention.
+    ``dropout_seed``: an int, or an int64 tensor of one element (needed when dropout_p > 0).
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    if isinstance(dropout_seed, int):
+        dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64, device=q.device)
+    return torch.ops.flashtile.fwd(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, attn_bias,
+                                   dropout_p, dropout_seed, None, None, 0, 0)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+    """→ (dq, dk, dv), with P rebuilt from ``lse`` and D = rowsum(dout ∘ out).
+
+    ``out`` and ``lse`` may be those of a larger attention that this call is a part of
+    (ring attention): the gradients are then this part's share.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    if isinstance(dropout_seed, int):
+        dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.ops.flashtile.bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, left, right, softcap,
+                            alibi_slopes, None, False, dropout_p, dropout_seed, None, None, 0, 0)
+    return dq, dk, dv

@@ -1,0 +1,126 @@
+"""Score modifiers and visibility, shared by every flashtile attention kernel.
+
+A kernel computes the raw product ``qk = q · k`` of a block and turns it into
+base-2 scores for ``exp2`` (``log2 e`` folded in), in this order, each step
+switched by a constexpr so that the plain path compiles to ``qk · qk_scale``:
+
+1. scale and softcap: ``s = qk · scale`` or, with softcap ``c > 0``,
+   ``s = c · tanh(qk · scale / c)`` (Gemma 2);
+2. ALiBi: ``s −= slope · |i + Nk − Nq − j|``;
+3. an additive bias (SDPA's float ``attn_mask``), added by the kernel itself;
+4. visibility: key ``j`` is visible to query ``i`` iff
+   ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` where a bound of −1 is
+   unbounded (flash-attn's ``window_size``); causal is ``right = 0``
+   (bottom-right alignment). Invisible scores become −inf.
+
+The block-range helpers give the K blocks a Q block can see and the Q blocks
+that can see a K block, so that blocks entirely outside the mask are skipped,
+never loaded: the cost of a sliding window grows with the window, not seqlen.
+
+Dropout uses Philox-4x32-10 (``tl.random.philox``) keyed by a 64-bit seed with
+counter ``(j, i, sequence·nheads + head, 0)``: the backward regenerates the
+mask instead of storing it, and ``reference.dropout_keep_mask`` rebuilds the
+same bits in PyTorch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    """float32 tanh as a rational function (Eigen's fast tanh, a few ulps).
+
+    Triton's interpreter has no libdevice tanh, and ``1 − 2/(e^{2x} + 1)`` loses
+    all relative accuracy near 0, where softcapped scores live.
+    """
+    x = tl.minimum(tl.maximum(x, -7.90531110763549805), 7.90531110763549805)
+    x2 = x * x
+    p = x2 * -2.76076847742355e-16 + 2.00018790482477e-13
+    p = x2 * p + -8.60467152213735e-11
+    p = x2 * p + 5.12229709037114e-08
+    p = x2 * p + 1.48572235717979e-05
+    p = x2 * p + 6.37261928875436e-04
+    p = x2 * p + 4.89352455891786e-03
+    q = x2 * 1.19825839466702e-06 + 1.18534705686654e-04
+    q = x2 * q + 2.26843463243900e-03
+    q = x2 * q + 4.89352518554385e-03
+    return x * p / q
+
+
+@triton.jit
+def _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 scores of a block from its raw product ``qk``.
+
+    ``rows`` and ``cols`` are query and key indices shaped to broadcast against
+    ``qk`` ([BM, 1] and [1, BN], or the transpose for a key-major block).
+    qk_scale = scale·log2 e; softcap_scale = scale / c; softcap_log2 = c·log2 e;
+    alibi_slope_log2 = slope·log2 e. Bias and visibility are applied by the caller.
+    """
+    if HAS_SOFTCAP:
+        s = _tanh(qk * softcap_scale) * softcap_log2
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s -= alibi_slope_log2 * tl.abs(rows + diagonal - cols).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _visible(rows, cols, diagonal, window_left, window_right,
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Whether key ``cols`` is visible to query ``rows`` by the window/causal rule (no bounds).
+
+    ``rows`` and ``cols`` broadcast against each other, as in :func:`_scores_log2`.
+    """
+    rel = cols - rows - diagonal  # j − (i + Nk − Nq)
+    visible = rel == rel
+    if MASK_LEFT:
+        visible = visible & (rel >= -window_left)
+    if MASK_RIGHT:
+        visible = visible & (rel <= window_right)
+    return visible
+
+
+@triton.jit
+def _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the keys that queries [row_start, row_end) can see; lo is a multiple of BLOCK_N."""
+    lo = 0
+    hi = seqlen_k
+    if MASK_LEFT:
+        lo = tl.maximum(row_start + diagonal - window_left, 0) // BLOCK_N * BLOCK_N
+    if MASK_RIGHT:
+        hi = tl.minimum(row_end + diagonal + window_right, seqlen_k)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[lo, hi) of the queries that see any of keys [col_start, col_end); lo a multiple of BLOCK_M."""
+    lo = 0
+    hi = seqlen_q
+    if MASK_RIGHT:
+        lo = tl.maximum(col_start - diagonal - window_right, 0) // BLOCK_M * BLOCK_M
+    if MASK_LEFT:
+        hi = tl.minimum(col_end - diagonal + window_left, seqlen_q)
+    return lo, hi
+
+
+@triton.jit
+def _dropout_keep(seed, rows, cols, i_seq_head, dropout_p):
+    """Whether P[rows, cols] of this (sequence, head) survives dropout (rows, cols broadcast).
+
+    Philox counter (j, i, sequence·nheads + head, 0), first output word mapped to
+    [0, 1) as ``tl.rand`` does; kept iff u ≥ p.
+    """
+    zeros = rows * 0 + cols * 0
+    c0 = (zeros + cols).to(tl.uint32)
+    c1 = (zeros + rows).to(tl.uint32)
+    c2 = (zeros + i_seq_head).to(tl.uint32)
+    r, _, _, _ = tl.random.philox(seed, c0, c1, c2, zeros.to(tl.uint32))
+    return tl.random.uint_to_uniform_float(r) >= dropout_p
