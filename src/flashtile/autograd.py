@@ -40,12 +40,14 @@ def _unpack(layout, a, b, c):
 class FlashAttnFunction(torch.autograd.Function):
     """Exact attention: ``apply(layout, a, b, c, attn_bias, alibi_slopes, dropout_seed,
     cu_seqlens_q, cu_seqlens_k, scalars)`` → (out, lse); (a, b, c) is (q, k, v),
-    (qkv, None, None) or (q, kv, None) by ``layout``."""
+    (qkv, None, None) or (q, kv, None) by ``layout``; ``cu_seqlens_k`` None with
+    ``cu_seqlens_q`` given means the same tensor (Dynamo refuses one tensor passed twice)."""
 
     @staticmethod
     def forward(ctx, layout, a, b, c, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k,
                 scalars: Scalars):
         q, k, v = _unpack(layout, a, b, c)
+        cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         out, lse = torch.ops.flashtile.fwd(
             q, k, v, scalars.softmax_scale, scalars.window_left, scalars.window_right, scalars.softcap,
             alibi_slopes, attn_bias, scalars.dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,

@@ -142,6 +142,8 @@ def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softca
     if dropout_p > 0:
         dropout_seed = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=q.device)
     scalars = Scalars(scale, left, right, float(softcap), float(dropout_p), max_seqlen_q, max_seqlen_k)
+    if cu_seqlens_k is cu_seqlens_q:
+        cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same"
     out, lse = FlashAttnFunction.apply(layout, a, b, c, attn_bias, alibi_slopes, dropout_seed,
                                        cu_seqlens_q, cu_seqlens_k, scalars)
     if not return_attn_probs:

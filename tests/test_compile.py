@@ -1,0 +1,71 @@
+"""torch.compile sees through flashtile: the ops are custom ops with fake implementations.
+
+``fullgraph=True`` turns any graph break into an error, so these tests fail on a break.
+One small model per entry point; compiling takes seconds on the CPU, so the grid is small.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import flashtile
+
+
+class TinyAttention(torch.nn.Module):
+    """A projection, flashtile attention (GQA 4:2, causal) and an output projection."""
+
+    def __init__(self, dim=64, nheads=4, nheads_k=2, varlen=False):
+        super().__init__()
+        self.nheads, self.nheads_k, self.head_dim = nheads, nheads_k, dim // nheads
+        self.qkv = torch.nn.Linear(dim, (nheads + 2 * nheads_k) * self.head_dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.varlen = varlen
+
+    def forward(self, x, cu_seqlens=None, max_seqlen=0):
+        shape = x.shape[:-1]
+        q, k, v = self.qkv(x).split(
+            [self.nheads * self.head_dim, self.nheads_k * self.head_dim, self.nheads_k * self.head_dim], dim=-1)
+        q = q.unflatten(-1, (self.nheads, self.head_dim))  # [..., seqlen, nheads, head_dim]
+        k = k.unflatten(-1, (self.nheads_k, self.head_dim))
+        v = v.unflatten(-1, (self.nheads_k, self.head_dim))
+        if self.varlen:
+            o = flashtile.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                 causal=True)
+        else:
+            o = flashtile.flash_attn_func(q, k, v, causal=True, window_size=(8, 0), softcap=5.0)
+        return self.out(o.reshape(*shape, -1))
+
+
+def run_step(model, x, *args):
+    loss = model(x, *args).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_compile_fullgraph_forward_backward(backend, varlen):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = TinyAttention(varlen=varlen).to(DEVICE)
+    compiled = TinyAttention(varlen=varlen).to(DEVICE)
+    compiled.load_state_dict(eager.state_dict())
+    if varlen:
+        x = torch.randn(37, 64, device=DEVICE)
+        args = (torch.tensor([0, 5, 5, 30, 37], dtype=torch.int32, device=DEVICE), 25)
+    else:
+        x = torch.randn(2, 37, 64, device=DEVICE)
+        args = ()
+    loss, grads = run_step(eager, x, *args)
+    compiled_model = torch.compile(compiled, fullgraph=True, backend=backend)
+    compiled_loss, compiled_grads = run_step(compiled_model, x, *args)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(compiled_grads, grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_ops_have_fake_implementations():
+    q = torch.randn(2, 9, 4, 16, device="meta")
+    k = torch.randn(2, 11, 2, 16, device="meta")
+    out, lse = torch.ops.flashtile.fwd(q, k, k, 0.25, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)
+    assert out.shape == q.shape and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
