@@ -1,6 +1,7 @@
 """flashtile: exact FlashAttention for PyTorch, in Triton kernels, with an O(N)-memory CPU path."""
 
 from . import reference
+from .decode import flash_attn_with_kvcache
 from .interface import (
     attention,
     flash_attn_func,
@@ -20,6 +21,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "merge_attention_states",
     "merge_split_attention_states",
     "reference",

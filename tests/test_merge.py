@@ -1,0 +1,142 @@
+"""Merging attention states: exact, associative, order-free, and neutral on empty parts.
+
+Each test runs the Triton merge kernel (the interpreter on CPU, the GPU under CUDA) and,
+off the GPU, the PyTorch path too. The partial results over disjoint key ranges are the
+float64 reference's, rounded as an attention kernel delivers them (output in the input
+dtype, log-sum-exp in float32), so these tests judge the merge alone.
+"""
+
+import math
+
+import pytest
+import torch
+from accuracy import assert_accurate
+from conftest import DEVICE
+
+from flashtile import reference as ref
+from flashtile.merge import merge_attention_states, merge_split_attention_states
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the PyTorch path
+    return request.param
+
+
+def qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, n, nheads, head_dim, generator=g).to(DEVICE, dtype)
+            for n in (seqlen_q, seqlen_k, seqlen_k)]
+
+
+def attend(q, k, v):
+    """Attention over one key range → (out [B, Nq, H, D] in q's dtype, lse [B, H, Nq] float32)."""
+    out, lse, _ = ref.attention_forward(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    return out.transpose(1, 2).to(q.dtype), lse.float()
+
+
+def random_states(parts, seed, shape=(2, 9, 3, 40)):
+    """P partial states with [B, S, H, D] outputs and plausible log-sum-exps [B, H, S]."""
+    g = torch.Generator().manual_seed(seed)
+    batch, seqlen, nheads, head_dim = shape
+    outs = torch.randn(parts, *shape, generator=g).to(DEVICE)
+    lses = (3 * torch.randn(parts, batch, nheads, seqlen, generator=g)).to(DEVICE)
+    return outs, lses
+
+
+def assert_states_close(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_halves_of_key_range_equal_whole_range(backend, dtype):
+    q, k, v = qkv(2, 17, 113, 3, 40, dtype, seed=0)
+    out_a, lse_a = attend(q, k[:, :50], v[:, :50])
+    out_b, lse_b = attend(q, k[:, 50:], v[:, 50:])
+    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ref64 = ref.attention_forward(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    ref_lowp = ref.attention_forward(*(t.transpose(1, 2) for t in (q, k, v)))
+    assert_accurate("out", out, ref64[0].transpose(1, 2), ref_lowp[0].transpose(1, 2), factor=2)
+    torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
+
+
+def test_split_form_over_many_ranges(backend):
+    # five uneven key ranges stacked on the split dimension, one of them a single key
+    q, k, v = qkv(1, 9, 130, 2, 64, torch.float32, seed=1)
+    bounds = [0, 1, 40, 41, 100, 130]
+    parts = [attend(q, k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])]
+    out, lse = merge_split_attention_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    out64, lse64, _ = ref.attention_forward(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    torch.testing.assert_close(out.double(), out64.transpose(1, 2), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), lse64, rtol=0, atol=1e-5)
+
+
+def test_associative(backend):
+    outs, lses = random_states(3, seed=2)
+    a, b, c = zip(outs, lses)
+    left = merge_attention_states(*merge_attention_states(*a, *b), *c)
+    right = merge_attention_states(*a, *merge_attention_states(*b, *c))
+    assert_states_close(left, right)
+    assert_states_close(left, merge_split_attention_states(outs, lses))
+
+
+def test_order_free(backend):
+    outs, lses = random_states(4, seed=3)
+    expected = merge_split_attention_states(outs, lses)
+    for perm in ([3, 2, 1, 0], [1, 3, 0, 2]):
+        assert_states_close(merge_split_attention_states(outs[perm], lses[perm]), expected)
+
+
+def test_part_with_neg_inf_lse_contributes_nothing(backend):
+    outs, lses = random_states(3, seed=4)
+    lses[1] = -math.inf  # outs[1] holds junk that must be ignored
+    lses[2, :, 1] = -math.inf  # and part 2 is empty for head 1 only
+    got = merge_split_attention_states(outs, lses)
+    keep = [0, 2]
+    assert_states_close(got, merge_split_attention_states(outs[keep], lses[keep]))
+    # head 1 sees part 0 alone: its output and log-sum-exp come through unchanged
+    torch.testing.assert_close(got[0][:, :, 1], outs[0][:, :, 1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[1][:, 1], lses[0][:, 1], rtol=0, atol=1e-6)
+
+
+def test_all_parts_neg_inf_give_zero_and_neg_inf(backend):
+    outs, lses = random_states(3, seed=5)
+    lses[:, 0] = -math.inf  # batch 0: no part saw a key
+    out, lse = merge_split_attention_states(outs, lses)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[1]).all()
+
+
+def test_leading_dims_and_non_contiguous_inputs(backend):
+    # a split-KV layout: outs [P, B, S, H, D] as a strided view, and no leading dims at all
+    outs, lses = random_states(2, seed=6, shape=(3, 5, 4, 24))
+    strided = outs.transpose(2, 3).contiguous().transpose(2, 3)
+    assert not strided.is_contiguous()
+    assert_states_close(merge_split_attention_states(strided, lses), merge_split_attention_states(outs, lses))
+    single = merge_split_attention_states(outs[:, 0], lses[:, 0])
+    assert_states_close(single, tuple(t[0] for t in merge_split_attention_states(outs, lses)))
+
+
+def test_inputs_that_require_grad_stay_differentiable(backend):
+    outs, lses = random_states(2, seed=7)
+    outs.requires_grad_()
+    out, _ = merge_split_attention_states(outs, lses)
+    (grad,) = torch.autograd.grad(out.sum(), outs)
+    # d out / d outs[p] is the weight of part p, and the weights sum to 1
+    torch.testing.assert_close(grad.sum(0), torch.ones_like(grad[0]))
+
+
+def test_bad_shapes_raise_clear_errors():
+    outs, lses = random_states(2, seed=8)
+    with pytest.raises(ValueError, match=r"lses must be \[P, \.\.\., nheads, seqlen\]"):
+        merge_split_attention_states(outs, lses.transpose(-1, -2))
+    with pytest.raises(ValueError, match="outs must be"):
+        merge_split_attention_states(outs[:, 0, 0], lses[:, 0, 0])
+    with pytest.raises(TypeError, match="floating-point"):
+        merge_split_attention_states(outs.int(), lses)
