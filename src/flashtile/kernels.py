@@ -44,7 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .scores import _dropout_keep, _key_range, _query_range, _scores_log2, _tanh, _visible
+from .scores import (
+    _dropout_keep,
+    _key_range,
+    _query_range,
+    _scores_log2,
+    _tanh,
+    _unmasked_key_range,
+    _unmasked_query_range,
+    _visible,
+)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from ._interpreter import patch_bf16_dot
@@ -61,6 +70,63 @@ def _sequence_bounds(i_b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
         start = tl.load(CuSeqlens + i_b)
         return start, tl.load(CuSeqlens + i_b + 1) - start
     return 0, seqlen
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, b_q, k_base, v_base, bias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+    stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+    qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+    dropout_p, dropout_scale,
+    APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over K/V blocks [lo, hi). ``APPLY_MASK`` is off for the blocks that
+    every row sees whole (in bounds, inside the window): they need no bounds or mask work."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + o_n
+        m_n = cols < seqlen_k
+        p_k = k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd
+        p_v = v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd
+        if APPLY_MASK:
+            b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif EVEN_D:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        else:
+            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
+                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+            s += b_bias.to(tl.float32) * 1.4426950408889634
+        if APPLY_MASK:
+            visible = m_n[None, :]
+            if MASK_LEFT or MASK_RIGHT:
+                visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
+                                             MASK_LEFT, MASK_RIGHT)
+            s = tl.where(visible, s, float("-inf"))
+        # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
+        #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
+            p = tl.where(keep, p * dropout_scale, 0.0)
+        # -- rescale the unnormalised output and add this block
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -105,50 +171,36 @@ def _attn_fwd_kernel(
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
         alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+    seed = 0
+    dropout_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
         dropout_scale = 1.0 / (1.0 - dropout_p)
 
     diagonal = seqlen_k - seqlen_q  # bottom-right alignment
-    lo, hi = _key_range(i_m * BLOCK_M, (i_m + 1) * BLOCK_M, diagonal, seqlen_k, window_left, window_right,
+    row_start = i_m * BLOCK_M
+    row_end = row_start + BLOCK_M
+    lo, hi = _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                         MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    full_lo, full_hi = _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi,
+                                           window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + o_n
-        m_n = cols < seqlen_k
-        b_k = tl.load(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        b_v = tl.load(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
-                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_BIAS:
-            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
-                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-            s += b_bias.to(tl.float32) * 1.4426950408889634
-        visible = m_n[None, :]
-        if MASK_LEFT or MASK_RIGHT:
-            visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
-                                         MASK_LEFT, MASK_RIGHT)
-        s = tl.where(visible, s, float("-inf"))
-        # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
-        #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
-        if HAS_DROPOUT:
-            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
-            p = tl.where(keep, p * dropout_scale, 0.0)
-        # -- rescale the unnormalised output and add this block
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # the key blocks in three runs: masked left edge, whole blocks, masked right edge (diagonal)
+    for run in tl.static_range(3):
+        run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
+        run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, k_base, v_base, bias_base, seed, run_lo, run_hi,
+            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+            qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_p, dropout_scale,
+            run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
+            BLOCK_N, DOT_PRECISION,
+        )
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -184,6 +236,75 @@ def _attn_bwd_preprocess_kernel(
                    mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     # D_i = rowsum(dO_i ∘ O_i); Delta has the log-sum-exp's layout
     tl.store(Delta + i_b * stride_lb + i_h * stride_lh + rows, tl.sum(b_o * b_do, 1), mask=m_m)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+    stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
+    qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+    dropout_p, dropout_scale,
+    APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of one K block over Q blocks [lo, hi) of one query head (Kᵀ-major blocks).
+    ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + o_m
+        m_m = rows < seqlen_q
+        p_q = q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd
+        p_do = do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod
+        if APPLY_MASK:
+            b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_do = tl.load(p_do, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
+            b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
+        else:
+            if EVEN_D:
+                b_q = tl.load(p_q)
+                b_do = tl.load(p_do)
+            else:
+                b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
+                b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
+            b_lse = tl.load(lse_base + rows)
+            b_delta = tl.load(delta_base + rows)
+        # rows that saw no key have lse = -inf: exp2(s - inf) = 0
+        lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+        qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        s_t = _scores_log2(qk_t, rows[None, :], o_n[:, None], diagonal, qk_scale, softcap_scale, softcap_log2,
+                           alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            b_bias = tl.load(bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
+                             mask=m_n[:, None] & m_m[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
+            s_t += b_bias.to(tl.float32) * 1.4426950408889634
+        p_t = tl.math.exp2(s_t - lse2[None, :])  # Pᵀ [BLOCK_N, BLOCK_M]
+        if APPLY_MASK:
+            visible = m_n[:, None] & m_m[None, :]
+            if MASK_LEFT or MASK_RIGHT:
+                visible = visible & _visible(rows[None, :], o_n[:, None], diagonal, window_left, window_right,
+                                             MASK_LEFT, MASK_RIGHT)
+            p_t = tl.where(visible, p_t, 0.0)
+        dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
+        if HAS_DROPOUT:
+            # O = (P ∘ Z) V with Z = keep / (1 − p): dV uses P ∘ Z, and dP reaches P through Z
+            keep_t = _dropout_keep(seed, rows[None, :], o_n[:, None], i_bhq, dropout_p)
+            b_dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(b_do.dtype), b_do, b_dv,
+                          input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            b_dv = tl.dot(p_t.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - b_delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D), natural-log units
+        if BIAS_GRAD:
+            tl.store(dbias_base + rows[None, :] * seqlen_k + o_n[:, None], ds_t,
+                     mask=m_n[:, None] & m_m[None, :])
+        if HAS_SOFTCAP:
+            # d(c·tanh(x/c))/dx = 1 − tanh²
+            t = _tanh(qk_t * softcap_scale)
+            ds_t = ds_t * (1.0 - t * t)
+        b_dk = tl.dot(ds_t.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
+    return b_dk, b_dv
 
 
 @triton.jit
@@ -227,13 +348,19 @@ def _attn_bwd_dkdv_kernel(
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seed = 0
+    dropout_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
         dropout_scale = 1.0 / (1.0 - dropout_p)
 
     diagonal = seqlen_k - seqlen_q
-    lo, hi = _query_range(i_n * BLOCK_N, (i_n + 1) * BLOCK_N, diagonal, seqlen_q, window_left, window_right,
+    col_start = i_n * BLOCK_N
+    col_end = col_start + BLOCK_N
+    lo, hi = _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
                           MASK_LEFT, MASK_RIGHT, BLOCK_M)
+    full_lo, full_hi = _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, hi,
+                                             window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_M)
 
     # The whole GQA group of query heads is summed here: dK/dV need no atomics.
     for g in range(0, group_size):
@@ -248,54 +375,77 @@ def _attn_bwd_dkdv_kernel(
         alibi_slope_log2 = 0.0
         if HAS_ALIBI:
             alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
-        for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + o_m
-            m_m = rows < seqlen_q
-            mask_md = m_m[:, None] & m_d[None, :]
-            b_q = tl.load(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
-                          mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-            b_do = tl.load(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
-                           mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-            b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
-            b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
-            # rows that saw no key have lse = -inf: exp2(s - inf) = 0
-            lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-            qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            s_t = _scores_log2(qk_t, rows[None, :], o_n[:, None], diagonal, qk_scale, softcap_scale, softcap_log2,
-                               alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-            if HAS_BIAS:
-                b_bias = tl.load(bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
-                                 mask=m_n[:, None] & m_m[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
-                s_t += b_bias.to(tl.float32) * 1.4426950408889634
-            visible = m_n[:, None] & m_m[None, :]
-            if MASK_LEFT or MASK_RIGHT:
-                visible = visible & _visible(rows[None, :], o_n[:, None], diagonal, window_left, window_right,
-                                             MASK_LEFT, MASK_RIGHT)
-            p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)  # Pᵀ [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
-            if HAS_DROPOUT:
-                # O = (P ∘ Z) V with Z = keep / (1 − p): dV uses P ∘ Z, and dP reaches P through Z
-                keep_t = _dropout_keep(seed, rows[None, :], o_n[:, None], i_bhq, dropout_p)
-                b_dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(b_do.dtype), b_do, b_dv,
-                              input_precision=DOT_PRECISION)
-                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-            else:
-                b_dv = tl.dot(p_t.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - b_delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D), natural-log units
-            if BIAS_GRAD:
-                tl.store(dbias_base + rows[None, :] * seqlen_k + o_n[:, None], ds_t,
-                         mask=m_n[:, None] & m_m[None, :])
-            if HAS_SOFTCAP:
-                # d(c·tanh(x/c))/dx = 1 − tanh²
-                t = _tanh(qk_t * softcap_scale)
-                ds_t = ds_t * (1.0 - t * t)
-            b_dk = tl.dot(ds_t.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
+        # the query blocks in three runs: masked (diagonal) edge, whole blocks, masked far edge
+        for run in tl.static_range(3):
+            run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
+            run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
+            b_dk, b_dv = _attn_bwd_dkdv_inner(
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed,
+                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+                stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
+                qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                dropout_p, dropout_scale,
+                run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT,
+                HEAD_DIM == BLOCK_D, BLOCK_M, DOT_PRECISION,
+            )
 
     b_dk = b_dk * sm_scale
     tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + keys[:, None] * stride_dks + o_d[None, :] * stride_dkd,
              b_dk.to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + keys[:, None] * stride_dvs + o_d[None, :] * stride_dvd,
              b_dv.to(DV.dtype.element_ty), mask=mask_nd)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+    stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+    qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+    dropout_p, dropout_scale,
+    APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + o_n
+        m_n = cols < seqlen_k
+        p_k = k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd
+        p_v = v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd
+        if APPLY_MASK:
+            b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif EVEN_D:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        else:
+            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
+                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+            s += b_bias.to(tl.float32) * 1.4426950408889634
+        p = tl.math.exp2(s - lse2[:, None])  # P_ij = exp(S_ij − L_i)
+        if APPLY_MASK:
+            visible = m_m[:, None] & m_n[None, :]
+            if MASK_LEFT or MASK_RIGHT:
+                visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
+                                             MASK_LEFT, MASK_RIGHT)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - b_delta[:, None])
+        if HAS_SOFTCAP:
+            t = _tanh(qk * softcap_scale)
+            ds = ds * (1.0 - t * t)
+        b_dq = tl.dot(ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
+    return b_dq
 
 
 @triton.jit
@@ -339,6 +489,7 @@ def _attn_bwd_dq_kernel(
                    mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
+    # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
     lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
     k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
     v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
@@ -346,43 +497,33 @@ def _attn_bwd_dq_kernel(
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
         alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+    seed = 0
+    dropout_scale = 1.0
     if HAS_DROPOUT:
         seed = tl.load(Seed)
         dropout_scale = 1.0 / (1.0 - dropout_p)
 
     diagonal = seqlen_k - seqlen_q
-    lo, hi = _key_range(i_m * BLOCK_M, (i_m + 1) * BLOCK_M, diagonal, seqlen_k, window_left, window_right,
+    row_start = i_m * BLOCK_M
+    row_end = row_start + BLOCK_M
+    lo, hi = _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                         MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    full_lo, full_hi = _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi,
+                                           window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + o_n
-        m_n = cols < seqlen_k
-        b_k = tl.load(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        b_v = tl.load(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
-                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_BIAS:
-            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
-                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-            s += b_bias.to(tl.float32) * 1.4426950408889634
-        visible = m_m[:, None] & m_n[None, :]
-        if MASK_LEFT or MASK_RIGHT:
-            visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
-                                         MASK_LEFT, MASK_RIGHT)
-        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)  # P_ij = exp(S_ij − L_i)
-        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if HAS_DROPOUT:
-            keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
-        ds = p * (dp - b_delta[:, None])
-        if HAS_SOFTCAP:
-            t = _tanh(qk * softcap_scale)
-            ds = ds * (1.0 - t * t)
-        b_dq = tl.dot(ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
+    for run in tl.static_range(3):
+        run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
+        run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
+        b_dq = _attn_bwd_dq_inner(
+            b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
+            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+            qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            dropout_p, dropout_scale,
+            run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
+            BLOCK_N, DOT_PRECISION,
+        )
 
     b_dq = b_dq * sm_scale
     tl.store(DQ + i_b * stride_dqb + i_hq * stride_dqh + rows[:, None] * stride_dqs + o_d[None, :] * stride_dqd,

@@ -99,6 +99,27 @@ def _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right
 
 
 @triton.jit
+def _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi, window_left, window_right,
+                        MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[full_lo, full_hi) inside [lo, hi): the key blocks (from lo, BLOCK_N apart) that every
+    query of [row_start, row_end) sees whole — in bounds and inside the window — so that
+    they need no mask. [lo, full_lo) and [full_hi, hi) are the masked edges."""
+    full_lo = lo
+    limit = seqlen_k
+    if MASK_LEFT:
+        # the last row's window starts at row_end − 1 + diagonal − left: round up to a block
+        first = row_end - 1 + diagonal - window_left
+        full_lo = tl.maximum(lo, (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    if MASK_RIGHT:
+        # the first row's window ends at row_start + diagonal + right
+        limit = tl.minimum(limit, row_start + diagonal + window_right + 1)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = lo + tl.maximum(limit - lo, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return full_lo, full_hi
+
+
+@triton.jit
 def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
     """[lo, hi) of the queries that see any of keys [col_start, col_end); lo a multiple of BLOCK_M."""
@@ -109,6 +130,29 @@ def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_rig
     if MASK_LEFT:
         hi = tl.minimum(col_end - diagonal + window_left, seqlen_q)
     return lo, hi
+
+
+@triton.jit
+def _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, hi, window_left, window_right,
+                          MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[full_lo, full_hi) inside [lo, hi): the query blocks (from lo, BLOCK_M apart) that see
+    every key of [col_start, col_end) — both in bounds, inside the window — so that they
+    need no mask. A key block that runs past seqlen_k has none."""
+    full_lo = lo
+    limit = seqlen_q
+    if col_end > seqlen_k:
+        limit = lo
+    if MASK_RIGHT:
+        # the last key is seen from row col_end − 1 − diagonal − right on: round up to a block
+        first = col_end - 1 - diagonal - window_right
+        full_lo = tl.maximum(lo, (first + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    if MASK_LEFT:
+        # the first key is seen up to row col_start − diagonal + left
+        limit = tl.minimum(limit, col_start - diagonal + window_left + 1)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = lo + tl.maximum(limit - lo, 0) // BLOCK_M * BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return full_lo, full_hi
 
 
 @triton.jit
