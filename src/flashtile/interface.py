@@ -162,7 +162,7 @@ def _dropout_probs(q, k, v, scalars: Scalars, alibi_slopes, attn_bias, dropout_s
     """flash-attn's S_dmask, for testing: the undropped probabilities (batch, nheads, Nq, Nk)
     with the entries that dropout removed negated. O(N²) memory, formed by the reference."""
     with torch.no_grad():
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))  # float32: P exact to its rounding
         seed = int(dropout_seed.item())
         _, _, p = reference.attention_forward(
             qt, kt, vt, scalars.softmax_scale, window_size=(scalars.window_left, scalars.window_right),
@@ -170,7 +170,7 @@ def _dropout_probs(q, k, v, scalars: Scalars, alibi_slopes, attn_bias, dropout_s
         )
         keep = reference.dropout_keep_mask(seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                            scalars.dropout_p, device=q.device)
-        return torch.where(keep, p, -p)
+        return torch.where(keep, p, -p).to(q.dtype)
 
 
 def flash_attn_func(

@@ -179,7 +179,7 @@ def _attn_fwd_kernel(
 
     diagonal = seqlen_k - seqlen_q  # bottom-right alignment
     row_start = i_m * BLOCK_M
-    row_end = row_start + BLOCK_M
+    row_end = tl.minimum(row_start + BLOCK_M, seqlen_q)
     lo, hi = _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                         MASK_LEFT, MASK_RIGHT, BLOCK_N)
     full_lo, full_hi = _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi,
@@ -356,7 +356,7 @@ def _attn_bwd_dkdv_kernel(
 
     diagonal = seqlen_k - seqlen_q
     col_start = i_n * BLOCK_N
-    col_end = col_start + BLOCK_N
+    col_end = tl.minimum(col_start + BLOCK_N, seqlen_k)
     lo, hi = _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
                           MASK_LEFT, MASK_RIGHT, BLOCK_M)
     full_lo, full_hi = _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, hi,
@@ -505,7 +505,7 @@ def _attn_bwd_dq_kernel(
 
     diagonal = seqlen_k - seqlen_q
     row_start = i_m * BLOCK_M
-    row_end = row_start + BLOCK_M
+    row_end = tl.minimum(row_start + BLOCK_M, seqlen_q)
     lo, hi = _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                         MASK_LEFT, MASK_RIGHT, BLOCK_N)
     full_lo, full_hi = _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi,
@@ -571,23 +571,38 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _fwd_config(block_d: int, dtype: torch.dtype) -> dict:
-    """Block shapes for the forward: (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    wide = dtype == torch.float32
-    if block_d <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
-    if block_d <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64 if not wide else 32, num_warps=8, num_stages=3 if not wide else 2)
-    return dict(BLOCK_M=64, BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)
+# Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from a sweep on the H200
+# (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the table). Causal (and
+# windowed) launches favour smaller Q blocks: less work is wasted on the diagonal.
+_FWD_16BIT = {
+    # (largest BLOCK_D, causal): config
+    (64, False): (128, 64, 8, 3), (64, True): (64, 64, 4, 3),
+    (128, False): (128, 128, 8, 3), (128, True): (64, 64, 4, 3),
+    (256, False): (64, 32, 4, 2), (256, True): (64, 32, 4, 2),
+}
+_BWD_16BIT = {64: (64, 64, 4, 3), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)}
+# float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
+_FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
+_BWD_32BIT = {64: (64, 32, 4, 2), 128: (32, 32, 8, 2), 256: (16, 16, 4, 1)}
 
 
-def _bwd_config(block_d: int, dtype: torch.dtype) -> dict:
-    wide = dtype == torch.float32
-    if block_d <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=2)
-    if block_d <= 128:
-        return dict(BLOCK_M=64 if not wide else 32, BLOCK_N=64 if not wide else 32, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=32 if not wide else 16, BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=1)
+def _config(block_m, block_n, num_warps, num_stages) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _size_class(block_d: int) -> int:
+    return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+
+
+def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
+    if dtype == torch.float32:
+        return _config(*_FWD_32BIT[_size_class(block_d)])
+    return _config(*_FWD_16BIT[(_size_class(block_d), causal)])
+
+
+def _bwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
+    table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
+    return _config(*table[_size_class(block_d)])
 
 
 def _strides4(t: torch.Tensor):
@@ -658,7 +673,7 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _lse_empty(q, batch, nheads_q, seqlen_q, variant)
     block_d = _block_d(head_dim)
-    cfg = _fwd_config(block_d, q.dtype)
+    cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
     grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
     _attn_fwd_kernel[grid](
@@ -681,8 +696,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
     """
     shape = _shape(q, k, variant)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
+    lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
     block_d = _block_d(head_dim)
-    cfg = _bwd_config(block_d, q.dtype)
+    cfg = _bwd_config(block_d, q.dtype, variant.window[1] >= 0)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
 
     delta = torch.empty_like(lse)

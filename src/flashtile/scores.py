@@ -135,13 +135,12 @@ def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_rig
 @triton.jit
 def _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, hi, window_left, window_right,
                           MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[full_lo, full_hi) inside [lo, hi): the query blocks (from lo, BLOCK_M apart) that see
-    every key of [col_start, col_end) — both in bounds, inside the window — so that they
-    need no mask. A key block that runs past seqlen_k has none."""
+    """[full_lo, full_hi) inside [lo, hi): the query blocks (from lo, BLOCK_M apart) that are
+    in bounds and see every key of [col_start, col_end) (col_end ≤ seqlen_k) inside the window,
+    so that they need no mask. Keys past seqlen_k in a ragged last K block need none either:
+    each key's dK/dV row is computed apart from the others and never stored."""
     full_lo = lo
     limit = seqlen_q
-    if col_end > seqlen_k:
-        limit = lo
     if MASK_RIGHT:
         # the last key is seen from row col_end − 1 − diagonal − right on: round up to a block
         first = col_end - 1 - diagonal - window_right

@@ -1,0 +1,115 @@
+"""Sweep the block configurations of flashtile's kernels on the GPU (a tuning aid, not the benchmark).
+
+For each case (bf16, batch·seqlen = 16384, nheads·headdim = 2048, as the standard sweep) it times the
+forward launcher and the backward launcher alone (``triton.testing.do_bench`` medians) for each
+candidate (BLOCK_M, BLOCK_N, num_warps, num_stages), with the launchers' config tables patched, and
+prints TFLOP/s per candidate with the current default marked. ``--baseline DIR`` also times the
+kernels.py found in DIR (an older version) through its own launchers, for a before/after in one run.
+
+    python benchmarks/tune_configs.py --seqlen 8192 --out tune.json [--baseline .baseline] [--defaults-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+
+import torch
+import triton
+
+from flashtile import kernels
+
+FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4),
+                  (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
+BWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
+                  (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)]
+
+
+def _config(c):
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], num_warps=c[2], num_stages=c[3])
+
+
+def _inputs(seqlen, head_dim, causal):
+    batch, nheads = 16384 // seqlen, 2048 // head_dim
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(4))
+    flops = 4 * batch * nheads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    return q, k, v, do, flops
+
+
+def _time(fn, warmup, rep):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _load_baseline(directory):
+    spec = importlib.util.spec_from_file_location("baseline_kernels", f"{directory}/kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--headdims", default="64,128")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rep", type=int, default=40)
+    parser.add_argument("--baseline", help="directory holding an older kernels.py to time beside")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="time only the current default configs (with --baseline: a before/after)")
+    parser.add_argument("--out", help="write every measurement as JSON here")
+    args = parser.parse_args(argv)
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    default_fwd, default_bwd = kernels._fwd_config, kernels._bwd_config
+    records = []
+    for head_dim in (int(d) for d in args.headdims.split(",")):
+        for causal in (False, True):
+            q, k, v, do, flops = _inputs(args.seqlen, head_dim, causal)
+            scale = 1 / math.sqrt(head_dim)
+            variant = kernels.Variant(window=(-1, 0 if causal else -1))
+            block_d = kernels._block_d(head_dim)
+            out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
+            case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
+            rows = []
+            for mode, candidates, patch_name, default in (("fwd", FWD_CANDIDATES, "_fwd_config", default_fwd),
+                                                          ("bwd", BWD_CANDIDATES, "_bwd_config", default_bwd)):
+                current = tuple(default(block_d, q.dtype, causal).values())
+                for cand in [current] if args.defaults_only else candidates:
+                    setattr(kernels, patch_name, lambda *_, c=cand: _config(c))
+                    try:
+                        if mode == "fwd":
+                            ms = _time(lambda: kernels.flash_attn_forward(q, k, v, scale, variant), args.warmup, args.rep)
+                        else:
+                            ms = _time(lambda: kernels.flash_attn_backward(do, q, k, v, out, lse, scale, variant),
+                                       args.warmup, args.rep)
+                        tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
+                    except Exception as error:  # out of shared memory / registers for this shape
+                        ms, tflops = float("nan"), float("nan")
+                        print(f"{case} {mode} {cand}: {type(error).__name__}: {str(error)[:120]}")
+                    finally:
+                        setattr(kernels, patch_name, default)
+                    rows.append((mode, cand, ms, tflops, cand == current))
+                    records.append(dict(case=case, mode=mode, config=cand, ms=ms, tflops=tflops,
+                                        default=cand == current))
+            if baseline is not None:
+                b_out, b_lse = baseline.flash_attn_forward(q, k, v, scale, causal)
+                for mode, fn in (("fwd", lambda: baseline.flash_attn_forward(q, k, v, scale, causal)),
+                                 ("bwd", lambda: baseline.flash_attn_backward(do, q, k, v, b_out, b_lse, scale, causal))):
+                    ms = _time(fn, args.warmup, args.rep)
+                    tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
+                    rows.append((mode, "baseline", ms, tflops, False))
+                    records.append(dict(case=case, mode=mode, config="baseline", ms=ms, tflops=tflops, default=False))
+            print(f"\n{case}")
+            for mode, cand, ms, tflops, is_default in rows:
+                print(f"  {mode} {str(cand):>18} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{'  <- default' if is_default else ''}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
