@@ -47,12 +47,11 @@ import triton.language as tl
 from .scores import (
     _dropout_keep,
     _key_range,
+    _masked_scores_log2,
     _query_range,
-    _scores_log2,
     _tanh,
     _unmasked_key_range,
     _unmasked_query_range,
-    _visible,
 )
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -73,6 +72,16 @@ def _sequence_bounds(i_b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptrs, m_rows, m_d, APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile: masked by row bounds in masked blocks, by head dim only where padded."""
+    if APPLY_MASK:
+        return tl.load(ptrs, mask=m_rows[:, None] & m_d[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=m_d[None, :], other=0.0)
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, b_q, k_base, v_base, bias_base, seed, lo, hi,
     o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
@@ -88,30 +97,17 @@ def _attn_fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        p_k = k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd
-        p_v = v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd
-        if APPLY_MASK:
-            b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_k = tl.load(p_k)
-            b_v = tl.load(p_v)
-        else:
-            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
-                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_BIAS:
-            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
-                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-            s += b_bias.to(tl.float32) * 1.4426950408889634
-        if APPLY_MASK:
-            visible = m_n[None, :]
-            if MASK_LEFT or MASK_RIGHT:
-                visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
-                                             MASK_LEFT, MASK_RIGHT)
-            s = tl.where(visible, s, float("-inf"))
+        s = _masked_scores_log2(
+            qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
+            bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+            qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
+        )
         # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
         #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -254,38 +250,26 @@ def _attn_bwd_dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + o_m
         m_m = rows < seqlen_q
-        p_q = q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd
-        p_do = do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod
+        b_q = _load_rows(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd, m_m, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d,
+                          APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
         if APPLY_MASK:
-            b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-            b_do = tl.load(p_do, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
         else:
-            if EVEN_D:
-                b_q = tl.load(p_q)
-                b_do = tl.load(p_do)
-            else:
-                b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
-                b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
             b_lse = tl.load(lse_base + rows)
             b_delta = tl.load(delta_base + rows)
         # rows that saw no key have lse = -inf: exp2(s - inf) = 0
         lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
         qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        s_t = _scores_log2(qk_t, rows[None, :], o_n[:, None], diagonal, qk_scale, softcap_scale, softcap_log2,
-                           alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_BIAS:
-            b_bias = tl.load(bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
-                             mask=m_n[:, None] & m_m[None, :], other=0.0)  # [BLOCK_N, BLOCK_M]
-            s_t += b_bias.to(tl.float32) * 1.4426950408889634
+        s_t = _masked_scores_log2(
+            qk_t, rows[None, :], o_n[:, None], m_m[None, :], m_n[:, None], diagonal,
+            bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
+            qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
+        )
         p_t = tl.math.exp2(s_t - lse2[None, :])  # Pᵀ [BLOCK_N, BLOCK_M]
-        if APPLY_MASK:
-            visible = m_n[:, None] & m_m[None, :]
-            if MASK_LEFT or MASK_RIGHT:
-                visible = visible & _visible(rows[None, :], o_n[:, None], diagonal, window_left, window_right,
-                                             MASK_LEFT, MASK_RIGHT)
-            p_t = tl.where(visible, p_t, 0.0)
         dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
             # O = (P ∘ Z) V with Z = keep / (1 − p): dV uses P ∘ Z, and dP reaches P through Z
@@ -411,31 +395,18 @@ def _attn_bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        p_k = k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd
-        p_v = v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd
-        if APPLY_MASK:
-            b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_k = tl.load(p_k)
-            b_v = tl.load(p_v)
-        else:
-            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = _scores_log2(qk, o_m[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
-                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_BIAS:
-            b_bias = tl.load(bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
-                             mask=m_m[:, None] & m_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-            s += b_bias.to(tl.float32) * 1.4426950408889634
+        s = _masked_scores_log2(
+            qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
+            bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
+            qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+            APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
+        )
         p = tl.math.exp2(s - lse2[:, None])  # P_ij = exp(S_ij − L_i)
-        if APPLY_MASK:
-            visible = m_m[:, None] & m_n[None, :]
-            if MASK_LEFT or MASK_RIGHT:
-                visible = visible & _visible(o_m[:, None], cols[None, :], diagonal, window_left, window_right,
-                                             MASK_LEFT, MASK_RIGHT)
-            p = tl.where(visible, p, 0.0)
         dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)

@@ -86,6 +86,27 @@ def _visible(rows, cols, diagonal, window_left, window_right,
 
 
 @triton.jit
+def _masked_scores_log2(qk, rows, cols, m_rows, m_cols, diagonal, bias_ptrs,
+                        qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
+                        APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The whole score pipeline of a block: :func:`_scores_log2`, the bias, then −inf where a key
+    is out of bounds (``m_rows``/``m_cols``) or outside the window — only when ``APPLY_MASK``,
+    which the kernels turn off for blocks every row sees whole. Any orientation (see
+    :func:`_scores_log2`); ``bias_ptrs`` point at the bias entries of the block."""
+    s = _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
+                     HAS_SOFTCAP, HAS_ALIBI)
+    if HAS_BIAS:
+        s += tl.load(bias_ptrs, mask=m_rows & m_cols, other=0.0).to(tl.float32) * 1.4426950408889634
+    if APPLY_MASK:
+        visible = m_rows & m_cols
+        if MASK_LEFT or MASK_RIGHT:
+            visible = visible & _visible(rows, cols, diagonal, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of the keys that queries [row_start, row_end) can see; lo is a multiple of BLOCK_N."""
