@@ -172,7 +172,19 @@ BIASES = ["float-full", "float-per-key", "float-per-batch-query", "float-padding
 @pytest.mark.parametrize("seqlens", [(45, 77), (77, 45)], ids=lambda s: f"q{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("kind", BIASES)
 def test_attn_mask_against_reference(backend, kind, seqlens):
-    q, k, v, do = _sdpa_inputs(25, seqlen_q=seqlens[0], seqlen_k=seqlens[1])
+    check_attn_mask(kind, *_sdpa_inputs(25, seqlen_q=seqlens[0], seqlen_k=seqlens[1]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_attn_mask_at_each_head_dim_class(backend, head_dim):
+    # each head-dim class has its own block config; on the GPU the bias tiles must fit in
+    # shared memory beside K and V (hdim 128 once asked for 288 KiB of the H200's 227 KiB)
+    check_attn_mask("float-full", *_sdpa_inputs(30, batch=1, seqlen_q=70, seqlen_k=140, head_dim=head_dim,
+                                                dtype=torch.bfloat16))
+
+
+def check_attn_mask(kind, q, k, v, do):
+    seqlens = (q.shape[1], k.shape[1])
     mask = _bias(kind, q.shape[0], q.shape[2], *seqlens, q.dtype)
     floating = mask.dtype != torch.bool
     if floating:

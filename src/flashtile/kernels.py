@@ -565,10 +565,15 @@ def _size_class(block_d: int) -> int:
     return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
 
 
-def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
+def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool, has_bias: bool = False) -> dict:
     if dtype == torch.float32:
         return _config(*_FWD_32BIT[_size_class(block_d)])
-    return _config(*_FWD_16BIT[(_size_class(block_d), causal)])
+    block_m, block_n, num_warps, num_stages = _FWD_16BIT[(_size_class(block_d), causal)]
+    if has_bias:
+        # the pipelined [BLOCK_M, BLOCK_N] bias tiles must fit beside K and V in shared memory:
+        # (128, 128, 8, 3) at hdim 128 asked for 288 KiB of the H200's 227 KiB
+        block_n = min(block_n, 64)
+    return _config(block_m, block_n, num_warps, num_stages)
 
 
 def _bwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
@@ -644,7 +649,7 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _lse_empty(q, batch, nheads_q, seqlen_q, variant)
     block_d = _block_d(head_dim)
-    cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0)
+    cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0, variant.attn_bias is not None)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
     grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
     _attn_fwd_kernel[grid](
