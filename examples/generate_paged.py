@@ -24,7 +24,6 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import flashtile
