@@ -21,7 +21,9 @@ forms) and an SDPA-compatible ``attention``. Arguments shared by all of them:
 * ``window_size=(left, right)``: query i sees key j iff
   i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right; −1 is unbounded; with causal,
   right is 0. K/V blocks outside the window are skipped, so the cost grows with
-  the window, not with the sequence.
+  the window, not with the sequence. The rule holds as written for every bound:
+  flash-attn instead turns a bound ≥ seqlen_k into −1, which differs when
+  seqlen_q > seqlen_k + right (its first rows then see every key, here none).
 * ``softcap > 0``: scores become softcap · tanh(scores / softcap) (Gemma 2).
 * ``alibi_slopes`` (nheads,) or (batch, nheads), float32: adds
   −slope · |i + Nk − Nq − j| to the scores.
