@@ -1,29 +1,12 @@
-"""flash-attn's accuracy rule, shared by the tests.
-
-The result of a kernel is judged against a float64 reference. The bar is relative to
-PyTorch's own rounding: the same standard attention run in the input's dtype has some
-error against float64; the kernel may have at most ``factor`` times that (2 for outputs,
-3 for gradients, where rounding compounds through three more products), plus a floor of
-a few float32 units in the last place (all dtypes accumulate in float32) at the scale of
-the largest reference value, at least 1. The floor matters only where PyTorch's own error
-is near zero: float32 inputs, and exact zeros such as dq for seqlen_k = 1, which the
-kernel computes from the rounded output through D = rowsum(dO ∘ O).
-"""
+"""The tests' assertion of flash-attn's accuracy rule (``flashtile.accuracy`` states the rule)."""
 
 import torch
 
-FLOAT32_ULPS_FLOOR = 8  # ~1e-6 at magnitude 1: far below any real bug's error
-
-
-def max_error(actual: torch.Tensor, ref64: torch.Tensor) -> float:
-    return (actual.double() - ref64).abs().max().item() if ref64.numel() else 0.0
+from flashtile.accuracy import error_bound, max_error
 
 
 def assert_accurate(name, actual, ref64, ref_lowp, factor):
     assert not torch.isnan(actual).any(), f"{name}: NaN in result"
-    err = max_error(actual, ref64)
-    torch_err = max_error(ref_lowp, ref64)
-    scale = max(ref64.abs().max().item() if ref64.numel() else 0.0, 1.0)
-    floor = FLOAT32_ULPS_FLOOR * torch.finfo(torch.float32).eps * scale
-    bound = factor * torch_err + floor
-    assert err <= bound, f"{name}: error {err:.3e} > {factor} x torch's {torch_err:.3e} + floor {floor:.1e}"
+    err, bound = max_error(actual, ref64), error_bound(ref64, ref_lowp, factor)
+    assert err <= bound, (f"{name}: error {err:.3e} > bound {bound:.3e} "
+                          f"({factor} x torch's {max_error(ref_lowp, ref64):.3e} + float32-ulp floor)")

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from . import __version__
+from .accuracy import error_bound, max_error
 from .interface import flash_attn_func
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,8 +67,7 @@ BWD_FLOPS_FACTOR = 2.5
 BWD_METHOD = "bwd = (fwd+bwd) - fwd, each timed separately"
 FLOPS_RULE = ("fwd 4*B*H*Nq*Nk*D, x0.5 if causal and Nq = Nk, exact visible pairs if causal and Nq != Nk; "
               "bwd 2.5x fwd; fwd_bwd 3.5x fwd")
-ACCURACY_FACTOR = 2  # flash-attn's rule for outputs, as in tests/accuracy.py and `flashtile check`
-FLOAT32_ULPS_FLOOR = 8
+ACCURACY_FACTOR = 2  # flash-attn's rule for outputs (flashtile.accuracy)
 CHECKED_ROWS = 64  # query rows compared with float64: first, last and evenly spaced ones
 
 # The anchors' sweep (benchmarks/NOTES.md) on CUDA: batch·seqlen and nheads·headdim fixed.
@@ -310,14 +310,8 @@ class AccuracyCheck:
     def for_inputs(cls, q, k, v, shape: Shape):
         rows = _checked_rows(shape.seqlen_q, q.device)
         expected = _standard_attention_rows(q, k, v, rows, shape, torch.float64)
-        torch_err = _max_error(_standard_attention_rows(q, k, v, rows, shape, q.dtype), expected)
-        scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1.0)
-        floor = FLOAT32_ULPS_FLOOR * torch.finfo(torch.float32).eps * scale
-        return cls(rows, expected, ACCURACY_FACTOR * torch_err + floor)
-
-
-def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+        lowp = _standard_attention_rows(q, k, v, rows, shape, q.dtype)
+        return cls(rows, expected, error_bound(expected, lowp, ACCURACY_FACTOR))
 
 
 def _forward_backward_once(attend, q, k, v, dout, device):
@@ -381,10 +375,10 @@ def _measure(provider, shape, inputs, check, flashtile_out, timer, modes, device
         result["first_call_s"] = time.perf_counter() - start
         out, result["peak_memory_bytes"] = _forward_backward_once(attend, q, k, v, dout, device)
         out = _from_layout(out, provider.layout)
-        err = _max_error(out[:, check.rows], check.expected)
+        err = max_error(out[:, check.rows], check.expected)
         result.update(max_error=err, error_bound=check.bound, accurate=bool(err <= check.bound))
         if flashtile_out is not None:
-            result["max_diff_vs_flashtile"] = _max_error(out, flashtile_out)
+            result["max_diff_vs_flashtile"] = max_error(out, flashtile_out)
         if "fwd" in modes or "bwd" in modes:
             result["fwd_ms"] = timer(forward)
         if "fwd_bwd" in modes or "bwd" in modes:

@@ -17,8 +17,9 @@ import sys
 import torch
 
 from . import reference
-from .autograd import uses_triton
+from .accuracy import error_bound, max_error
 from .interface import flash_attn_func
+from .ops import uses_triton
 
 ACCURACY_CASES = [
     # (dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, causal)
@@ -29,10 +30,6 @@ ACCURACY_CASES = [
     (torch.float32, 1, 129, 129, 4, 4, 40, True),
     (torch.bfloat16, 1, 65, 65, 2, 2, 256, True),
 ]
-
-
-def _max_err(a, b):
-    return (a.double() - b).abs().max().item()
 
 
 def accuracy_row(device, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, causal, seed=0):
@@ -52,13 +49,11 @@ def accuracy_row(device, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, h
         refs[ref_dtype] = [t.transpose(1, 2) for t in (ref_out, *grads)]
     row = {"dtype": str(dtype).replace("torch.", ""), "shape": f"{batch}x{seqlen_q}x{seqlen_k} h{nheads_q}:{nheads_k} d{head_dim}",
            "causal": causal, "ok": True}
-    eps32 = torch.finfo(torch.float32).eps
     for name, ours_t, r64, rlow, factor in zip(("out", "dq", "dk", "dv"), got, refs[torch.float64], refs[dtype],
                                                (2, 3, 3, 3)):
-        err, torch_err = _max_err(ours_t, r64), _max_err(rlow, r64)
-        row[name] = err
-        row[f"torch_{name}"] = torch_err
-        row["ok"] &= err <= factor * torch_err + 8 * eps32 * max(r64.abs().max().item(), 1.0)
+        row[name] = max_error(ours_t, r64)
+        row[f"torch_{name}"] = max_error(rlow, r64)
+        row["ok"] &= row[name] <= error_bound(r64, rlow, factor)
     return row
 
 
