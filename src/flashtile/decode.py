@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
+from .interface import _FLOAT_DTYPES, MAX_HEAD_DIM
 from .kernels import LOG2E, _block_d, _dot_precision  # importing kernels also patches the interpreter's bf16 dot
 from .merge import merge_states_into
 from .ops import uses_triton
@@ -323,46 +325,23 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     lse [B, Hq, Sq]) in ``compute_dtype``.
     """
     compute_dtype = compute_dtype or q.dtype
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    window_left, window_right = window_size
-    if causal:
-        window_right = 0
-    batch, seqlen_q, nheads_q, _ = q.shape
+    batch, _, nheads_q, _ = q.shape
     outs, lses = [], []
     for b in range(batch):
-        seqlen_k = int(seqlens_k[b])
-        k_b, v_b = _sequence_kv(k_cache, v_cache, b, seqlen_k, cache_batch_idx, block_table)  # [Nk, Hk, D]
-        group_size = nheads_q // k_b.shape[1]
-        k_b = k_b.to(compute_dtype).repeat_interleave(group_size, dim=1).transpose(0, 1)  # [Hq, Nk, D]
-        v_b = v_b.to(compute_dtype).repeat_interleave(group_size, dim=1).transpose(0, 1)
-        q_b = q[b].to(compute_dtype).transpose(0, 1)  # [Hq, Nq, D]
-        s = (q_b @ k_b.transpose(-1, -2)) * scale  # [Hq, Nq, Nk]
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        rel = (torch.arange(seqlen_k, device=q.device)[None, :]
-               - torch.arange(seqlen_q, device=q.device)[:, None] - (seqlen_k - seqlen_q))  # j − (i + Nk − Nq)
-        if alibi_slopes is not None:
-            slopes = alibi_slopes.expand(batch, nheads_q)[b].to(compute_dtype)
-            s = s - slopes[:, None, None] * rel.abs().to(compute_dtype)
-        visible = torch.ones_like(rel, dtype=torch.bool)
-        if window_left >= 0:
-            visible &= rel >= -window_left
-        if window_right >= 0:
-            visible &= rel <= window_right
-        s = s.masked_fill(~visible, -math.inf)
-        lse = torch.logsumexp(s, dim=-1)  # [Hq, Nq]
-        # a row with no visible key has lse = -inf: probabilities 0, output 0, not NaN
-        lse_safe = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
-        outs.append((torch.exp(s - lse_safe[..., None]) @ v_b).transpose(0, 1))  # [Nq, Hq, D]
-        lses.append(lse)
+        k_b, v_b = _sequence_kv(k_cache, v_cache, b, int(seqlens_k[b]), cache_batch_idx, block_table)  # [Nk, Hk, D]
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
+        out, lse, _ = reference.attention_forward(
+            *(t.to(compute_dtype).unsqueeze(0).transpose(1, 2) for t in (q[b], k_b, v_b)),  # [1, H, N, D]
+            softmax_scale, causal, window_size, softcap, slopes,
+        )
+        outs.append(out[0].transpose(0, 1))  # [Nq, Hq, D]
+        lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public function
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 
 
 def _check_int32(name, t, shape):
