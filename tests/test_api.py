@@ -72,3 +72,14 @@ def test_sdpa_api_requires_enable_gqa_for_fewer_kv_heads():
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flashtile.attention(q, k, v)
     assert flashtile.attention(q, k, v, enable_gqa=True).shape == q.shape
+
+
+def test_tensors_beyond_32_bit_offsets_are_refused():
+    # meta tensors: the shape of a 2^32-element q without the memory; the launcher refuses it
+    # before any kernel runs, rather than let 32-bit offsets wrap around
+    from flashtile.kernels import flash_attn_forward
+
+    q = torch.empty(1, 2**20, 32, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 1024, 8, 128, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q of shape \(1, 1048576, 32, 128\) spans 4294967296 elements"):
+        flash_attn_forward(q, k, k, 0.1)

@@ -581,6 +581,22 @@ def _bwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
     return _config(*table[_size_class(block_d)])
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _check_offsets(**tensors) -> None:
+    """The kernels index elements with 32-bit offsets: refuse a tensor that spans more."""
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        if extent > INT32_MAX:
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} spans {extent} elements; flashtile's kernels index with "
+                f"32-bit offsets (at most {INT32_MAX}): split the batch or the heads into several calls"
+            )
+
+
 def _strides4(t: torch.Tensor):
     """(batch, seq, head, dim) strides; a packed (total, head, dim) tensor has batch stride 0."""
     if t.dim() == 3:
@@ -644,6 +660,7 @@ def _variant_args(variant: Variant, softmax_scale: float, q: torch.Tensor, shape
 def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
     ``variant.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
+    _check_offsets(q=q, k=k, v=v, attn_bias=variant.attn_bias)
     shape = _shape(q, k, variant)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -688,6 +705,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
     dbias = None
     if bias_grad:
+        if batch * nheads_q * seqlen_q * seqlen_k > INT32_MAX:
+            raise ValueError(f"the bias gradient (batch, nheads, seqlen_q, seqlen_k) = "
+                             f"{(batch, nheads_q, seqlen_q, seqlen_k)} exceeds 32-bit offsets")
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg)
