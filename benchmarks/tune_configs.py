@@ -21,10 +21,18 @@ import triton
 
 from flashtile import kernels
 
-FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4),
-                  (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
-BWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
-                  (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates by head-dim class: tiles wider than 128
+# need smaller blocks and fewer stages to fit in shared memory.
+FWD_CANDIDATES = {
+    128: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4),
+          (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 3)],
+}
+BWD_CANDIDATES = {
+    128: [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
+          (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)],
+    256: [(32, 32, 4, 1), (32, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2), (64, 64, 4, 1)],
+}
 
 
 def _config(c):
@@ -74,8 +82,9 @@ def main(argv=None):
             out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
             case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
             rows = []
-            for mode, candidates, patch_name, default in (("fwd", FWD_CANDIDATES, "_fwd_config", default_fwd),
-                                                          ("bwd", BWD_CANDIDATES, "_bwd_config", default_bwd)):
+            size = 128 if block_d <= 128 else 256
+            for mode, candidates, patch_name, default in (("fwd", FWD_CANDIDATES[size], "_fwd_config", default_fwd),
+                                                          ("bwd", BWD_CANDIDATES[size], "_bwd_config", default_bwd)):
                 current = tuple(default(block_d, q.dtype, causal).values())
                 for cand in [current] if args.defaults_only else candidates:
                     setattr(kernels, patch_name, lambda *_, c=cand: _config(c))
