@@ -3,7 +3,8 @@
 For each case (bf16, batch·seqlen = 16384, nheads·headdim = 2048, as the standard sweep) it times the
 forward launcher and the backward launcher alone (``triton.testing.do_bench`` medians) for each
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages), with the launchers' config tables patched, and
-prints TFLOP/s per candidate with the current default marked. ``--baseline DIR`` also times the
+prints TFLOP/s per candidate with the current default marked (for the two backward kernels, the
+time of the whole backward with the other kernel at its default). ``--baseline DIR`` also times the
 kernels.py found in DIR (an older version) through its own launchers, for a before/after in one run.
 
     python benchmarks/tune_configs.py --seqlen 8192 --out tune.json [--baseline .baseline] [--defaults-only]
@@ -12,9 +13,11 @@ kernels.py found in DIR (an older version) through its own launchers, for a befo
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import math
+import multiprocessing
 
 import torch
 import triton
@@ -22,16 +25,24 @@ import triton
 from flashtile import kernels
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates by head-dim class: tiles wider than 128
-# need smaller blocks and fewer stages to fit in shared memory.
+# need smaller blocks and fewer stages to fit in shared memory. The backward's two kernels are
+# swept one at a time, the other keeping its default (their times add up).
 FWD_CANDIDATES = {
     128: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4),
           (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)],
     256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (128, 64, 8, 1), (64, 32, 4, 3)],
 }
-BWD_CANDIDATES = {
-    128: [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
-          (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)],
-    256: [(32, 32, 4, 1), (32, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2), (64, 64, 4, 1)],
+DKDV_CANDIDATES = {
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2),
+          (64, 128, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3)],
+    256: [(32, 32, 4, 1), (32, 64, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2), (64, 64, 4, 1),
+          (16, 64, 4, 2), (32, 64, 8, 2)],
+}
+DQ_CANDIDATES = {
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
+          (128, 128, 8, 2), (64, 128, 4, 2)],
+    256: [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (32, 64, 4, 1), (64, 32, 4, 2), (128, 32, 8, 1),
+          (64, 16, 4, 2)],
 }
 
 
@@ -40,7 +51,7 @@ def _config(c):
 
 
 def _inputs(seqlen, head_dim, causal):
-    batch, nheads = 16384 // seqlen, 2048 // head_dim
+    batch, nheads = max(1, 16384 // seqlen), 2048 // head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(4))
@@ -59,61 +70,99 @@ def _load_baseline(directory):
     return module
 
 
+def _sweeps(head_dim, causal, defaults_only):
+    """(mode, candidate, is_default, config patch) for every launch to time in one case."""
+    block_d = kernels._block_d(head_dim)
+    size = 128 if block_d <= 128 else 256
+    fwd = tuple(kernels._fwd_config(block_d, torch.bfloat16, causal).values())
+    dkdv, dq = (tuple(c.values()) for c in kernels._bwd_configs(block_d, torch.bfloat16, causal))
+    plans = (
+        ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("_fwd_config", _config(c))),
+        ("dkdv", dkdv, DKDV_CANDIDATES[size], lambda c: ("_bwd_configs", (_config(c), _config(dq)))),
+        ("dq", dq, DQ_CANDIDATES[size], lambda c: ("_bwd_configs", (_config(dkdv), _config(c)))),
+    )
+    for mode, current, candidates, patch in plans:
+        for cand in [current] if defaults_only else [current] + [c for c in candidates if c != current]:
+            yield mode, cand, cand == current, patch(cand)
+
+
+def _launch(mode, patch, q, k, v, do, out, lse, scale, variant):
+    """A function running one launcher with its config table patched to one candidate."""
+    name, cfg = patch
+
+    def run():
+        default = getattr(kernels, name)
+        setattr(kernels, name, lambda *_: cfg)
+        try:
+            if mode == "fwd":
+                kernels.flash_attn_forward(q, k, v, scale, variant)
+            else:
+                kernels.flash_attn_backward(do, q, k, v, out, lse, scale, variant)
+        finally:
+            setattr(kernels, name, default)
+
+    return run
+
+
+def _compile_case(head_dim, causal, defaults_only):
+    """Compile every candidate of one case at a short seqlen (the same specialisation as the timed
+    shape), so that the timing pass finds them in Triton's cache; run in worker processes."""
+    q, k, v, do, _ = _inputs(256, head_dim, causal)
+    scale = 1 / math.sqrt(head_dim)
+    variant = kernels.Variant(window=(-1, 0 if causal else -1))
+    out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
+    for mode, _, _, patch in _sweeps(head_dim, causal, defaults_only):
+        try:
+            _launch(mode, patch, q, k, v, do, out, lse, scale, variant)()
+        except Exception:  # reported by the timing pass
+            pass
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rep", type=int, default=40)
+    parser.add_argument("--jobs", type=int, default=1, help="compile the candidates in this many processes first")
     parser.add_argument("--baseline", help="directory holding an older kernels.py to time beside")
     parser.add_argument("--defaults-only", action="store_true",
                         help="time only the current default configs (with --baseline: a before/after)")
     parser.add_argument("--out", help="write every measurement as JSON here")
     args = parser.parse_args(argv)
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    default_fwd, default_bwd = kernels._fwd_config, kernels._bwd_config
+    cases = [(int(d), causal) for d in args.headdims.split(",") for causal in (False, True)]
+    if args.jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_compile_case, *zip(*cases), [args.defaults_only] * len(cases)))
     records = []
-    for head_dim in (int(d) for d in args.headdims.split(",")):
-        for causal in (False, True):
-            q, k, v, do, flops = _inputs(args.seqlen, head_dim, causal)
-            scale = 1 / math.sqrt(head_dim)
-            variant = kernels.Variant(window=(-1, 0 if causal else -1))
-            block_d = kernels._block_d(head_dim)
-            out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
-            case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
-            rows = []
-            size = 128 if block_d <= 128 else 256
-            for mode, candidates, patch_name, default in (("fwd", FWD_CANDIDATES[size], "_fwd_config", default_fwd),
-                                                          ("bwd", BWD_CANDIDATES[size], "_bwd_config", default_bwd)):
-                current = tuple(default(block_d, q.dtype, causal).values())
-                for cand in [current] if args.defaults_only else candidates:
-                    setattr(kernels, patch_name, lambda *_, c=cand: _config(c))
-                    try:
-                        if mode == "fwd":
-                            ms = _time(lambda: kernels.flash_attn_forward(q, k, v, scale, variant), args.warmup, args.rep)
-                        else:
-                            ms = _time(lambda: kernels.flash_attn_backward(do, q, k, v, out, lse, scale, variant),
-                                       args.warmup, args.rep)
-                        tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
-                    except Exception as error:  # out of shared memory / registers for this shape
-                        ms, tflops = float("nan"), float("nan")
-                        print(f"{case} {mode} {cand}: {type(error).__name__}: {str(error)[:120]}")
-                    finally:
-                        setattr(kernels, patch_name, default)
-                    rows.append((mode, cand, ms, tflops, cand == current))
-                    records.append(dict(case=case, mode=mode, config=cand, ms=ms, tflops=tflops,
-                                        default=cand == current))
-            if baseline is not None:
-                b_out, b_lse = baseline.flash_attn_forward(q, k, v, scale, causal)
-                for mode, fn in (("fwd", lambda: baseline.flash_attn_forward(q, k, v, scale, causal)),
-                                 ("bwd", lambda: baseline.flash_attn_backward(do, q, k, v, b_out, b_lse, scale, causal))):
-                    ms = _time(fn, args.warmup, args.rep)
-                    tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
-                    rows.append((mode, "baseline", ms, tflops, False))
-                    records.append(dict(case=case, mode=mode, config="baseline", ms=ms, tflops=tflops, default=False))
-            print(f"\n{case}")
-            for mode, cand, ms, tflops, is_default in rows:
-                print(f"  {mode} {str(cand):>18} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{'  <- default' if is_default else ''}")
+    for head_dim, causal in cases:
+        q, k, v, do, flops = _inputs(args.seqlen, head_dim, causal)
+        scale = 1 / math.sqrt(head_dim)
+        variant = kernels.Variant(window=(-1, 0 if causal else -1))
+        out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
+        case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
+        rows = []
+        for mode, cand, is_default, patch in _sweeps(head_dim, causal, args.defaults_only):
+            try:
+                ms = _time(_launch(mode, patch, q, k, v, do, out, lse, scale, variant), args.warmup, args.rep)
+                tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
+            except Exception as error:  # out of shared memory / registers for this shape
+                ms, tflops = float("nan"), float("nan")
+                print(f"{case} {mode} {cand}: {type(error).__name__}: {str(error)[:120]}")
+            rows.append((mode, cand, ms, tflops, is_default))
+            records.append(dict(case=case, mode=mode, config=cand, ms=ms, tflops=tflops, default=is_default))
+        if baseline is not None:
+            b_out, b_lse = baseline.flash_attn_forward(q, k, v, scale, causal)
+            for mode, fn in (("fwd", lambda: baseline.flash_attn_forward(q, k, v, scale, causal)),
+                             ("bwd", lambda: baseline.flash_attn_backward(do, q, k, v, b_out, b_lse, scale, causal))):
+                ms = _time(fn, args.warmup, args.rep)
+                tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
+                rows.append((mode, "baseline", ms, tflops, False))
+                records.append(dict(case=case, mode=mode, config="baseline", ms=ms, tflops=tflops, default=False))
+        print(f"\n{case}")
+        for mode, cand, ms, tflops, is_default in rows:
+            print(f"  {mode:>4} {str(cand):>18} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{'  <- default' if is_default else ''}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -551,10 +551,19 @@ _FWD_16BIT = {
     (128, False): (128, 128, 8, 3), (128, True): (64, 64, 4, 3),
     (256, False): (64, 32, 4, 2), (256, True): (64, 32, 4, 2),
 }
-_BWD_16BIT = {64: (64, 64, 4, 3), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)}
+# The backward's two kernels each have their own config: (dK/dV kernel, dQ kernel).
+_BWD_16BIT = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 3)),
+    128: ((64, 64, 4, 2), (64, 64, 4, 2)),
+    256: ((32, 32, 4, 1), (32, 32, 4, 1)),
+}
 # float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
 _FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
-_BWD_32BIT = {64: (64, 32, 4, 2), 128: (32, 32, 8, 2), 256: (16, 16, 4, 1)}
+_BWD_32BIT = {
+    64: ((64, 32, 4, 2), (64, 32, 4, 2)),
+    128: ((32, 32, 8, 2), (32, 32, 8, 2)),
+    256: ((16, 16, 4, 1), (16, 16, 4, 1)),
+}
 
 
 def _config(block_m, block_n, num_warps, num_stages) -> dict:
@@ -576,9 +585,11 @@ def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool, has_bias: bool =
     return _config(block_m, block_n, num_warps, num_stages)
 
 
-def _bwd_config(block_d: int, dtype: torch.dtype, causal: bool) -> dict:
+def _bwd_configs(block_d: int, dtype: torch.dtype, causal: bool) -> tuple[dict, dict]:
+    """(dK/dV kernel config, dQ kernel config)."""
     table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
-    return _config(*table[_size_class(block_d)])
+    dkdv, dq = table[_size_class(block_d)]
+    return _config(*dkdv), _config(*dq)
 
 
 INT32_MAX = 2**31 - 1
@@ -691,7 +702,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
     block_d = _block_d(head_dim)
-    cfg = _bwd_config(block_d, q.dtype, variant.window[1] >= 0)
+    dkdv_cfg, dq_cfg = _bwd_configs(block_d, q.dtype, variant.window[1] >= 0)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
 
     delta = torch.empty_like(lse)
@@ -710,20 +721,20 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
                              f"{(batch, nheads_q, seqlen_q, seqlen_k)} exceeds 32-bit offsets")
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-    common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, cfg["BLOCK_N"]), batch * nheads_k)](
+    common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
-        BIAS_GRAD=bias_grad, **common,
+        BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
-    _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)](
+    _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
         q, k, v, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
-        **common,
+        **common, **dq_cfg,
     )
     if dbias is not None:
         dbias = dbias.sum_to_size(variant.attn_bias.shape).to(variant.attn_bias.dtype)
