@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .scores import (
     _dropout_keep,
@@ -82,25 +83,37 @@ def _load_rows(ptrs, m_rows, m_d, APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr
 
 
 @triton.jit
+def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d,
+                APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``rows = start + [0, ROWS)`` of one head, [ROWS, BLOCK_D]. ``src`` is a tensor
+    descriptor over [batch, seqlen, nheads, head_dim] (the copy engine fills rows past the end and
+    padded head dims with zeros), or the head's base pointer for pointer loads (:func:`_load_rows`)."""
+    if USE_TMA:
+        return src.load([i_b, start, i_h, 0]).reshape(ROWS, BLOCK_D)
+    return _load_rows(src + rows[:, None] * stride_s + o_d[None, :] * stride_d, m_rows, m_d, APPLY_MASK, EVEN_D)
+
+
+@triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, b_q, k_base, v_base, bias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+    acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over K/V blocks [lo, hi). ``APPLY_MASK`` is off for the blocks that
     every row sees whole (in bounds, inside the window): they need no bounds or mask work."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
+                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_vs, stride_vd,
+                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = _masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
@@ -139,9 +152,10 @@ def _attn_fwd_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_q
@@ -158,11 +172,16 @@ def _attn_fwd_kernel(
     m_m = o_m < seqlen_q
     m_d = o_d < HEAD_DIM
 
-    p_q = (Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
-           + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd)
-    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-    v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+        b_q = Q.load([i_b, i_m * BLOCK_M, i_hq, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+        p_q = (Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+               + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd)
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
@@ -189,21 +208,25 @@ def _attn_fwd_kernel(
         run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
         run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, b_q, k_base, v_base, bias_base, seed, run_lo, run_hi,
-            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+            acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, run_lo, run_hi,
+            o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            BLOCK_N, DOT_PRECISION,
+            USE_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
-    p_o = (Out + i_b * stride_ob + q_start * stride_os + i_hq * stride_oh
-           + o_m[:, None] * stride_os + o_d[None, :] * stride_od)
-    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    if USE_TMA:
+        # the copy engine clips rows past seqlen_q and the padded head dims
+        Out.store([i_b, i_m * BLOCK_M, i_hq, 0], out.to(Out.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))
+    else:
+        p_o = (Out + i_b * stride_ob + q_start * stride_os + i_hq * stride_oh
+               + o_m[:, None] * stride_os + o_d[None, :] * stride_od)
+        tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     tl.store(Lse + i_b * stride_lb + i_hq * stride_lh + q_start + o_m, lse, mask=m_m)
 
 
@@ -236,24 +259,25 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+    b_dk, b_dv, b_k, b_v, q_src, do_src, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_n, m_d, i_b, i_hq, i_bhq, diagonal, seqlen_q, seqlen_k,
     stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one K block over Q blocks [lo, hi) of one query head (Kᵀ-major blocks).
     ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + o_m
         m_m = rows < seqlen_q
-        b_q = _load_rows(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd, m_m, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
-        b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d,
-                          APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_q = _load_block(q_src, i_b, i_hq, start_m, rows, m_m, o_d, m_d, stride_qs, stride_qd,
+                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        b_do = _load_block(do_src, i_b, i_hq, start_m, rows, m_m, o_d, m_d, stride_dos, stride_dod,
+                           APPLY_MASK, EVEN_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         if APPLY_MASK:
             b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
@@ -307,9 +331,10 @@ def _attn_bwd_dkdv_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """``USE_TMA``: Q and DOut are tensor descriptors (not packed), else pointers."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_k
@@ -350,8 +375,12 @@ def _attn_bwd_dkdv_kernel(
     for g in range(0, group_size):
         i_hq = i_hk * group_size + g
         i_bhq = i_b * nheads_q + i_hq
-        q_base = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
-        do_base = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
+        if USE_TMA:
+            q_src = Q
+            do_src = DOut
+        else:
+            q_src = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+            do_src = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
         lse_base = Lse + i_b * stride_lb + i_hq * stride_lh + q_start
         delta_base = Delta + i_b * stride_lb + i_hq * stride_lh + q_start
         bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
@@ -364,13 +393,13 @@ def _attn_bwd_dkdv_kernel(
             run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
             run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
             b_dk, b_dv = _attn_bwd_dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed,
-                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+                b_dk, b_dv, b_k, b_v, q_src, do_src, lse_base, delta_base, bias_base, dbias_base, seed,
+                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_b, i_hq, i_bhq, diagonal, seqlen_q, seqlen_k,
                 stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
                 qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
                 dropout_p, dropout_scale,
                 run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT,
-                HEAD_DIM == BLOCK_D, BLOCK_M, DOT_PRECISION,
+                HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D, DOT_PRECISION,
             )
 
     b_dk = b_dk * sm_scale
@@ -382,23 +411,23 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+    b_dq, b_q, b_do, lse2, b_delta, k_src, v_src, bias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
+                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_vs, stride_vd,
+                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = _masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
@@ -434,9 +463,10 @@ def _attn_bwd_dq_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """``USE_TMA``: K and V are tensor descriptors (not packed), else pointers."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_q
@@ -462,8 +492,12 @@ def _attn_bwd_dq_kernel(
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
     lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-    k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-    v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
     bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
@@ -487,13 +521,13 @@ def _attn_bwd_dq_kernel(
         run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
         run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
         b_dq = _attn_bwd_dq_inner(
-            b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
-            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+            b_dq, b_q, b_do, lse2, b_delta, k_src, v_src, bias_base, seed, run_lo, run_hi,
+            o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            BLOCK_N, DOT_PRECISION,
+            USE_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
     b_dq = b_dq * sm_scale
@@ -542,20 +576,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from a sweep on the H200
-# (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the table). Causal (and
-# windowed) launches favour smaller Q blocks: less work is wasted on the diagonal.
+# Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
+# (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).
 _FWD_16BIT = {
-    # (largest BLOCK_D, causal): config
-    (64, False): (128, 64, 8, 3), (64, True): (64, 64, 4, 3),
-    (128, False): (128, 128, 8, 3), (128, True): (64, 64, 4, 3),
+    # (largest BLOCK_D, causal): config; tuned with tensor descriptors, which packed batches (pointer
+    # loads) share so that a sequence gives the same bits packed or alone
+    (64, False): (128, 64, 8, 3), (64, True): (128, 64, 4, 3),
+    (128, False): (128, 128, 8, 3), (128, True): (128, 128, 8, 3),
     (256, False): (64, 32, 4, 2), (256, True): (64, 32, 4, 2),
 }
 # The backward's two kernels each have their own config: (dK/dV kernel, dQ kernel).
 _BWD_16BIT = {
     64: ((64, 64, 4, 3), (64, 64, 4, 3)),
     128: ((64, 64, 4, 2), (64, 64, 4, 2)),
-    256: ((32, 32, 4, 1), (32, 32, 4, 1)),
+    256: ((32, 32, 4, 2), (64, 32, 4, 1)),
 }
 # float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
 _FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
@@ -593,6 +627,7 @@ def _bwd_configs(block_d: int, dtype: torch.dtype, causal: bool) -> tuple[dict, 
 
 
 INT32_MAX = 2**31 - 1
+_TMA_IN_BACKWARD = True
 
 
 def _check_offsets(**tensors) -> None:
@@ -606,6 +641,29 @@ def _check_offsets(**tensors) -> None:
                 f"{name} of shape {tuple(t.shape)} spans {extent} elements; flashtile's kernels index with "
                 f"32-bit offsets (at most {INT32_MAX}): split the batch or the heads into several calls"
             )
+
+
+def _tma_usable(variant: Variant, *tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper's copy engine (or the interpreter), one sequence per batch
+    row (not packed), a contiguous head dim, and positive 16-byte-aligned strides and bases."""
+    if variant.is_varlen:
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+        and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
+    """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, block_d] boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, block_d])
 
 
 def _strides4(t: torch.Tensor):
@@ -677,15 +735,20 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _lse_empty(q, batch, nheads_q, seqlen_q, variant)
     block_d = _block_d(head_dim)
+    use_tma = _tma_usable(variant, q, k, v, out)
     cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0, variant.attn_bias is not None)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
+    tiles = (q, k, v, out)
+    if use_tma:
+        tiles = (_descriptor(q, cfg["BLOCK_M"], block_d), _descriptor(k, cfg["BLOCK_N"], block_d),
+                 _descriptor(v, cfg["BLOCK_N"], block_d), _descriptor(out, cfg["BLOCK_M"], block_d))
     grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, *pointers.values(),
+        *tiles, lse, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *_lse_strides(lse),
         *strides.values(),
         nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, *scalars.values(),
-        **constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg,
+        **constexprs, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=block_d, **cfg,
     )
     return out, lse
 
@@ -721,16 +784,23 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
                              f"{(batch, nheads_q, seqlen_q, seqlen_k)} exceeds 32-bit offsets")
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-    common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d)
+    use_tma = _TMA_IN_BACKWARD and _tma_usable(variant, q, k, v, dout)
+    common = dict(**constexprs, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=block_d)
+    q_tiles, do_tiles = q, dout
+    if use_tma:
+        q_tiles, do_tiles = (_descriptor(t, dkdv_cfg["BLOCK_M"], block_d) for t in (q, dout))
     _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
+        q_tiles, k, v, do_tiles, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
+    k_tiles, v_tiles = k, v
+    if use_tma:
+        k_tiles, v_tiles = (_descriptor(t, dq_cfg["BLOCK_N"], block_d) for t in (k, v))
     _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
-        q, k, v, dout, lse, delta, dq, *pointers.values(),
+        q, k_tiles, v_tiles, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
