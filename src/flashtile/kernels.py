@@ -334,7 +334,7 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``USE_TMA``: Q and DOut are tensor descriptors (not packed), else pointers."""
+    """``USE_TMA``: Q, K, V and DOut are tensor descriptors (not packed), else pointers."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_k
@@ -351,10 +351,16 @@ def _attn_bwd_dkdv_kernel(
     m_d = o_d < HEAD_DIM
     mask_nd = m_n[:, None] & m_d[None, :]
     keys = k_start + o_n
-    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
-                  mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_d[None, :] * stride_vd,
-                  mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    if USE_TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    b_k = _load_block(k_src, i_b, i_hk, i_n * BLOCK_N, o_n, m_n, o_d, m_d, stride_ks, stride_kd,
+                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = _load_block(v_src, i_b, i_hk, i_n * BLOCK_N, o_n, m_n, o_d, m_d, stride_vs, stride_vd,
+                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     seed = 0
@@ -466,7 +472,7 @@ def _attn_bwd_dq_kernel(
     USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``USE_TMA``: K and V are tensor descriptors (not packed), else pointers."""
+    """``USE_TMA``: Q, K, V and DOut are tensor descriptors (not packed), else pointers."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_q
@@ -484,10 +490,16 @@ def _attn_bwd_dq_kernel(
     m_d = o_d < HEAD_DIM
     mask_md = m_m[:, None] & m_d[None, :]
     rows = q_start + o_m
-    b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
-                  mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
-                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if USE_TMA:
+        q_src = Q
+        do_src = DOut
+    else:
+        q_src = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+        do_src = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
+    b_q = _load_block(q_src, i_b, i_hq, i_m * BLOCK_M, o_m, m_m, o_d, m_d, stride_qs, stride_qd,
+                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = _load_block(do_src, i_b, i_hq, i_m * BLOCK_M, o_m, m_m, o_d, m_d, stride_dos, stride_dod,
+                       True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
@@ -786,21 +798,23 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     use_tma = _TMA_IN_BACKWARD and _tma_usable(variant, q, k, v, dout)
     common = dict(**constexprs, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=block_d)
-    q_tiles, do_tiles = q, dout
-    if use_tma:
-        q_tiles, do_tiles = (_descriptor(t, dkdv_cfg["BLOCK_M"], block_d) for t in (q, dout))
+
+    def tiles(cfg):
+        """(q, k, v, dout) for one backward kernel: descriptors sized to its blocks, or the tensors."""
+        if not use_tma:
+            return q, k, v, dout
+        return (_descriptor(q, cfg["BLOCK_M"], block_d), _descriptor(k, cfg["BLOCK_N"], block_d),
+                _descriptor(v, cfg["BLOCK_N"], block_d), _descriptor(dout, cfg["BLOCK_M"], block_d))
+
     _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
-        q_tiles, k, v, do_tiles, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
+        *tiles(dkdv_cfg), lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
-    k_tiles, v_tiles = k, v
-    if use_tma:
-        k_tiles, v_tiles = (_descriptor(t, dq_cfg["BLOCK_N"], block_d) for t in (k, v))
     _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
-        q, k_tiles, v_tiles, dout, lse, delta, dq, *pointers.values(),
+        *tiles(dq_cfg), lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
