@@ -89,9 +89,12 @@ def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d
     """Rows ``rows = start + [0, ROWS)`` of one head, [ROWS, BLOCK_D]. ``src`` is a tensor
     descriptor over [batch, seqlen, nheads, head_dim] (the copy engine fills rows past the end and
     padded head dims with zeros), or the head's base pointer for pointer loads (:func:`_load_rows`)."""
+    # if/else, not an early return: the compiler would still build the pointer branch for a descriptor
     if USE_TMA:
-        return src.load([i_b, start, i_h, 0]).reshape(ROWS, BLOCK_D)
-    return _load_rows(src + rows[:, None] * stride_s + o_d[None, :] * stride_d, m_rows, m_d, APPLY_MASK, EVEN_D)
+        block = src.load([i_b, start, i_h, 0]).reshape(ROWS, BLOCK_D)
+    else:
+        block = _load_rows(src + rows[:, None] * stride_s + o_d[None, :] * stride_d, m_rows, m_d, APPLY_MASK, EVEN_D)
+    return block
 
 
 @triton.jit
@@ -259,25 +262,24 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_src, do_src, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_n, m_d, i_b, i_hq, i_bhq, diagonal, seqlen_q, seqlen_k,
+    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
     stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one K block over Q blocks [lo, hi) of one query head (Kᵀ-major blocks).
     ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + o_m
         m_m = rows < seqlen_q
-        b_q = _load_block(q_src, i_b, i_hq, start_m, rows, m_m, o_d, m_d, stride_qs, stride_qd,
-                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-        b_do = _load_block(do_src, i_b, i_hq, start_m, rows, m_m, o_d, m_d, stride_dos, stride_dod,
-                           APPLY_MASK, EVEN_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        b_q = _load_rows(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd, m_m, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d,
+                          APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
         if APPLY_MASK:
             b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
@@ -331,10 +333,9 @@ def _attn_bwd_dkdv_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``USE_TMA``: Q, K, V and DOut are tensor descriptors (not packed), else pointers."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_k
@@ -351,16 +352,10 @@ def _attn_bwd_dkdv_kernel(
     m_d = o_d < HEAD_DIM
     mask_nd = m_n[:, None] & m_d[None, :]
     keys = k_start + o_n
-    if USE_TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
-    b_k = _load_block(k_src, i_b, i_hk, i_n * BLOCK_N, o_n, m_n, o_d, m_d, stride_ks, stride_kd,
-                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-    b_v = _load_block(v_src, i_b, i_hk, i_n * BLOCK_N, o_n, m_n, o_d, m_d, stride_vs, stride_vd,
-                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
+                  mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_d[None, :] * stride_vd,
+                  mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     seed = 0
@@ -381,12 +376,8 @@ def _attn_bwd_dkdv_kernel(
     for g in range(0, group_size):
         i_hq = i_hk * group_size + g
         i_bhq = i_b * nheads_q + i_hq
-        if USE_TMA:
-            q_src = Q
-            do_src = DOut
-        else:
-            q_src = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
-            do_src = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
+        q_base = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
+        do_base = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
         lse_base = Lse + i_b * stride_lb + i_hq * stride_lh + q_start
         delta_base = Delta + i_b * stride_lb + i_hq * stride_lh + q_start
         bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
@@ -399,13 +390,13 @@ def _attn_bwd_dkdv_kernel(
             run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
             run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
             b_dk, b_dv = _attn_bwd_dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_src, do_src, lse_base, delta_base, bias_base, dbias_base, seed,
-                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_b, i_hq, i_bhq, diagonal, seqlen_q, seqlen_k,
+                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed,
+                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
                 stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
                 qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
                 dropout_p, dropout_scale,
                 run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT,
-                HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D, DOT_PRECISION,
+                HEAD_DIM == BLOCK_D, BLOCK_M, DOT_PRECISION,
             )
 
     b_dk = b_dk * sm_scale
@@ -417,23 +408,23 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    b_dq, b_q, b_do, lse2, b_delta, k_src, v_src, bias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
+    b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
+    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
-                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_vs, stride_vd,
-                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
+                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = _masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
@@ -469,10 +460,9 @@ def _attn_bwd_dq_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``USE_TMA``: Q, K, V and DOut are tensor descriptors (not packed), else pointers."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // nheads_q
@@ -490,26 +480,16 @@ def _attn_bwd_dq_kernel(
     m_d = o_d < HEAD_DIM
     mask_md = m_m[:, None] & m_d[None, :]
     rows = q_start + o_m
-    if USE_TMA:
-        q_src = Q
-        do_src = DOut
-    else:
-        q_src = Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
-        do_src = DOut + i_b * stride_dob + q_start * stride_dos + i_hq * stride_doh
-    b_q = _load_block(q_src, i_b, i_hq, i_m * BLOCK_M, o_m, m_m, o_d, m_d, stride_qs, stride_qd,
-                      True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    b_do = _load_block(do_src, i_b, i_hq, i_m * BLOCK_M, o_m, m_m, o_d, m_d, stride_dos, stride_dod,
-                       True, HEAD_DIM == BLOCK_D, USE_TMA, BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
+                  mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
+                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
     lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-    if USE_TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+    k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+    v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
     bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
@@ -533,13 +513,13 @@ def _attn_bwd_dq_kernel(
         run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
         run_hi = full_lo if run == 0 else full_hi if run == 1 else hi
         b_dq = _attn_bwd_dq_inner(
-            b_dq, b_q, b_do, lse2, b_delta, k_src, v_src, bias_base, seed, run_lo, run_hi,
-            o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
+            b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
+            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            USE_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            BLOCK_N, DOT_PRECISION,
         )
 
     b_dq = b_dq * sm_scale
@@ -595,7 +575,7 @@ _FWD_16BIT = {
     # loads) share so that a sequence gives the same bits packed or alone
     (64, False): (128, 64, 8, 3), (64, True): (128, 64, 4, 3),
     (128, False): (128, 128, 8, 3), (128, True): (128, 128, 8, 3),
-    (256, False): (64, 32, 4, 2), (256, True): (64, 32, 4, 2),
+    (256, False): (64, 32, 4, 3), (256, True): (64, 32, 4, 3),
 }
 # The backward's two kernels each have their own config: (dK/dV kernel, dQ kernel).
 _BWD_16BIT = {
@@ -639,7 +619,6 @@ def _bwd_configs(block_d: int, dtype: torch.dtype, causal: bool) -> tuple[dict, 
 
 
 INT32_MAX = 2**31 - 1
-_TMA_IN_BACKWARD = True
 
 
 def _check_offsets(**tensors) -> None:
@@ -796,25 +775,16 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
                              f"{(batch, nheads_q, seqlen_q, seqlen_k)} exceeds 32-bit offsets")
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-    use_tma = _TMA_IN_BACKWARD and _tma_usable(variant, q, k, v, dout)
-    common = dict(**constexprs, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=block_d)
-
-    def tiles(cfg):
-        """(q, k, v, dout) for one backward kernel: descriptors sized to its blocks, or the tensors."""
-        if not use_tma:
-            return q, k, v, dout
-        return (_descriptor(q, cfg["BLOCK_M"], block_d), _descriptor(k, cfg["BLOCK_N"], block_d),
-                _descriptor(v, cfg["BLOCK_N"], block_d), _descriptor(dout, cfg["BLOCK_M"], block_d))
-
+    common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d)
     _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
-        *tiles(dkdv_cfg), lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
+        q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
     _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
-        *tiles(dq_cfg), lse, delta, dq, *pointers.values(),
+        q, k, v, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
