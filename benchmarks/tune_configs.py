@@ -70,11 +70,12 @@ def _load_baseline(directory):
     return module
 
 
-def _sweeps(head_dim, causal, defaults_only):
+def _sweeps(head_dim, causal, seqlen, defaults_only):
     """(mode, candidate, is_default, config patch) for every launch to time in one case."""
     block_d = kernels._block_d(head_dim)
     size = 128 if block_d <= 128 else 256
-    fwd = tuple(kernels._fwd_config(block_d, torch.bfloat16, causal).values())
+    tma = seqlen >= kernels.TMA_MIN_SEQLEN  # the standard shapes are unpacked, aligned, Nq = Nk
+    fwd = tuple(kernels._fwd_config(block_d, torch.bfloat16, causal, tma=tma).values())
     dkdv, dq = (tuple(c.values()) for c in kernels._bwd_configs(block_d, torch.bfloat16, causal))
     plans = (
         ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("_fwd_config", _config(c))),
@@ -104,14 +105,15 @@ def _launch(mode, patch, q, k, v, do, out, lse, scale, variant):
     return run
 
 
-def _compile_case(head_dim, causal, defaults_only):
+def _compile_case(head_dim, causal, seqlen, defaults_only):
     """Compile every candidate of one case at a short seqlen (the same specialisation as the timed
     shape), so that the timing pass finds them in Triton's cache; run in worker processes."""
-    q, k, v, do, _ = _inputs(256, head_dim, causal)
+    # the forward's load path depends on the seqlen: compile at the smallest one that takes the same path
+    q, k, v, do, _ = _inputs(kernels.TMA_MIN_SEQLEN if seqlen >= kernels.TMA_MIN_SEQLEN else 256, head_dim, causal)
     scale = 1 / math.sqrt(head_dim)
     variant = kernels.Variant(window=(-1, 0 if causal else -1))
     out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
-    for mode, _, _, patch in _sweeps(head_dim, causal, defaults_only):
+    for mode, _, _, patch in _sweeps(head_dim, causal, seqlen, defaults_only):
         try:
             _launch(mode, patch, q, k, v, do, out, lse, scale, variant)()
         except Exception:  # reported by the timing pass
@@ -134,7 +136,7 @@ def main(argv=None):
     cases = [(int(d), causal) for d in args.headdims.split(",") for causal in (False, True)]
     if args.jobs > 1:
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_compile_case, *zip(*cases), [args.defaults_only] * len(cases)))
+            list(pool.map(_compile_case, *zip(*cases), [args.seqlen] * len(cases), [args.defaults_only] * len(cases)))
     records = []
     for head_dim, causal in cases:
         q, k, v, do, flops = _inputs(args.seqlen, head_dim, causal)
@@ -143,7 +145,7 @@ def main(argv=None):
         out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
         case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
         rows = []
-        for mode, cand, is_default, patch in _sweeps(head_dim, causal, args.defaults_only):
+        for mode, cand, is_default, patch in _sweeps(head_dim, causal, args.seqlen, args.defaults_only):
             try:
                 ms = _time(_launch(mode, patch, q, k, v, do, out, lse, scale, variant), args.warmup, args.rep)
                 tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9

@@ -13,18 +13,24 @@ from accuracy import assert_accurate
 from conftest import DEVICE
 
 import flashtile
+import flashtile.kernels
 import flashtile.ops
 from flashtile import reference as ref
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # The CPU tiled path exists only off the GPU; "triton" is the interpreter there.
 BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
+# "triton-tma": the forward loads its tiles through tensor descriptors, which it takes only from
+# kernels.TMA_MIN_SEQLEN on, far beyond the shapes here; tests marked `with_descriptor_loads` add it.
+with_descriptor_loads = pytest.mark.parametrize("backend", [*BACKENDS, "triton-tma"], indirect=True)
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the tiled PyTorch path
+    if request.param == "triton-tma":
+        monkeypatch.setattr(flashtile.kernels, "TMA_MIN_SEQLEN", 1)
     return request.param
 
 
@@ -72,6 +78,7 @@ def check_against_reference(q, k, v, do, causal, softmax_scale=None):
 SEQLENS = [(1, 1), (1, 77), (17, 113), (113, 203), (203, 113), (128, 128)]
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -79,12 +86,14 @@ def test_seqlens_and_dtypes(backend, dtype, seqlens, causal):
     check_against_reference(*make_inputs(1, *seqlens, 2, 2, 64, dtype), causal)
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")
 def test_head_dims(backend, head_dim, causal):
     check_against_reference(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal)
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -96,6 +105,7 @@ def test_softmax_scale(backend):
     check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=0.3)
 
 
+@with_descriptor_loads
 def test_non_contiguous_inputs(backend):
     # q, k, v as views into one packed (batch, seqlen, 3, nheads, headdim) tensor, and a
     # transposed dO: strides are honoured, nothing is copied to contiguous first.
@@ -120,6 +130,7 @@ def test_sdpa_layout_matches_torch_sdpa(backend):
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
 
 
+@with_descriptor_loads
 def test_fully_masked_rows(backend):
     # causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key
     q, k, v, do = make_inputs(1, 100, 30, 2, 2, 32, torch.float16, seed=6)
@@ -170,3 +181,18 @@ def test_backward_of_a_slice_with_strided_lse(backend):
                                              lse[:, :, rows].contiguous(), 0.25, False)
     for a, b in zip(strided, dense):
         assert torch.equal(a, b)
+
+
+def test_descriptor_loads_only_where_they_apply():
+    from flashtile.kernels import TMA_MIN_SEQLEN, Variant, _tma_usable
+
+    long, short = TMA_MIN_SEQLEN, TMA_MIN_SEQLEN - 1
+    aligned = torch.randn(2, 8, 4, 64, device=DEVICE).to(torch.bfloat16)
+    odd_head_dim = torch.randn(2, 8, 4, 17, device=DEVICE).to(torch.bfloat16)  # 34-byte rows
+    broadcast = aligned[:, :, :1].expand(2, 8, 4, 64)  # head stride 0
+    packed = Variant(cu_seqlens_q=torch.tensor([0, 8], device=DEVICE), max_seqlen_q=long, max_seqlen_k=long)
+    assert _tma_usable(Variant(), long, long, aligned, aligned)
+    assert not _tma_usable(Variant(), long, short, aligned, aligned)
+    assert not _tma_usable(Variant(), long, long, aligned, odd_head_dim)
+    assert not _tma_usable(Variant(), long, long, aligned, broadcast)
+    assert not _tma_usable(packed, long, long, aligned, aligned)

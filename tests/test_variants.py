@@ -16,7 +16,7 @@ import pytest
 import torch
 from accuracy import assert_accurate
 from conftest import DEVICE
-from test_flash_attn import backend, make_inputs  # noqa: F401  (backend is a fixture)
+from test_flash_attn import backend, make_inputs, with_descriptor_loads  # noqa: F401  (backend is a fixture)
 
 import flashtile
 from flashtile import reference as ref
@@ -100,6 +100,7 @@ VARIANTS = {
 }
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -169,12 +170,14 @@ def _bias(kind, batch, nheads, seqlen_q, seqlen_k, dtype):
 BIASES = ["float-full", "float-per-key", "float-per-batch-query", "float-padding", "bool", "bool-causal-band"]
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("seqlens", [(45, 77), (77, 45)], ids=lambda s: f"q{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("kind", BIASES)
 def test_attn_mask_against_reference(backend, kind, seqlens):
     check_attn_mask(kind, *_sdpa_inputs(25, seqlen_q=seqlens[0], seqlen_k=seqlens[1]))
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
 def test_attn_mask_at_each_head_dim_class(backend, head_dim):
     # each head-dim class has its own block config; on the GPU the bias tiles must fit in
@@ -229,6 +232,7 @@ def _keep_from_probs(probs):
     return ~torch.signbit(probs)
 
 
+@with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("variant", ["plain", "window-softcap-alibi"])
 def test_dropout_exact_with_the_returned_mask(backend, variant, causal):

@@ -25,6 +25,12 @@ one token axis, located through ``cu_seqlens``; the grid covers the longest).
 No atomics anywhere: every output element is written by exactly one program,
 so the backward is bitwise deterministic run to run.
 
+Loads: the forward moves its Q, K, V and O tiles with Hopper's tensor copy engine (TMA, through
+4-D tensor descriptors over [batch, seqlen, nheads, head_dim]: rows past a sequence's end and
+padded head dims arrive as zeros, stores are clipped) when the batch is not packed, the strides
+allow it and seqlen ≥ ``TMA_MIN_SEQLEN``; otherwise, and in the backward, masked pointer loads
+(descriptors measured slower there on the H200: benchmarks/NOTES.md, v0.4).
+
 Conventions: tensors in (batch, seqlen, nheads, headdim), or (total, nheads,
 headdim) when packed, with arbitrary strides; query head ``h`` uses KV head
 ``h // (nheads_q // nheads_k)``; causal masking is aligned to the bottom-right
@@ -571,11 +577,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
 # (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).
 _FWD_16BIT = {
-    # (largest BLOCK_D, causal): config; tuned with tensor descriptors, which packed batches (pointer
-    # loads) share so that a sequence gives the same bits packed or alone
-    (64, False): (128, 64, 8, 3), (64, True): (128, 64, 4, 3),
-    (128, False): (128, 128, 8, 3), (128, True): (128, 128, 8, 3),
-    (256, False): (64, 32, 4, 3), (256, True): (64, 32, 4, 3),
+    # (largest BLOCK_D, causal, tensor descriptors): config
+    (64, False, True): (128, 64, 8, 3), (64, True, True): (128, 64, 4, 3),
+    (128, False, True): (128, 128, 8, 3), (128, True, True): (128, 128, 8, 3),
+    (256, False, True): (64, 32, 4, 3), (256, True, True): (64, 32, 4, 3),
+    # pointer loads (short or packed sequences): causal favours smaller Q blocks there
+    (64, False, False): (128, 64, 8, 3), (64, True, False): (64, 64, 4, 3),
+    (128, False, False): (128, 128, 8, 3), (128, True, False): (64, 64, 4, 3),
+    (256, False, False): (64, 32, 4, 2), (256, True, False): (64, 32, 4, 2),
 }
 # The backward's two kernels each have their own config: (dK/dV kernel, dQ kernel).
 _BWD_16BIT = {
@@ -600,10 +609,10 @@ def _size_class(block_d: int) -> int:
     return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
 
 
-def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool, has_bias: bool = False) -> dict:
+def _fwd_config(block_d: int, dtype: torch.dtype, causal: bool, has_bias: bool = False, tma: bool = False) -> dict:
     if dtype == torch.float32:
         return _config(*_FWD_32BIT[_size_class(block_d)])
-    block_m, block_n, num_warps, num_stages = _FWD_16BIT[(_size_class(block_d), causal)]
+    block_m, block_n, num_warps, num_stages = _FWD_16BIT[(_size_class(block_d), causal, tma)]
     if has_bias:
         # the pipelined [BLOCK_M, BLOCK_N] bias tiles must fit beside K and V in shared memory:
         # (128, 128, 8, 3) at hdim 128 asked for 288 KiB of the H200's 227 KiB
@@ -619,6 +628,9 @@ def _bwd_configs(block_d: int, dtype: torch.dtype, causal: bool) -> tuple[dict, 
 
 
 INT32_MAX = 2**31 - 1
+# On the H200, descriptor loads (with their configs) beat pointer loads at seqlen 4096-16384 in every
+# standard case, and lost at 512-2048 in some (benchmarks/NOTES.md, v0.4).
+TMA_MIN_SEQLEN = 4096
 
 
 def _check_offsets(**tensors) -> None:
@@ -634,10 +646,12 @@ def _check_offsets(**tensors) -> None:
             )
 
 
-def _tma_usable(variant: Variant, *tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need Hopper's copy engine (or the interpreter), one sequence per batch
-    row (not packed), a contiguous head dim, and positive 16-byte-aligned strides and bases."""
-    if variant.is_varlen:
+def _tma_usable(variant: Variant, seqlen_q: int, seqlen_k: int, *tensors: torch.Tensor) -> bool:
+    """Whether the forward loads its tiles through tensor descriptors. They need Hopper's copy
+    engine (or the interpreter), one sequence per batch row (not packed), a contiguous head dim,
+    and positive 16-byte-aligned strides and bases; and they pay off only from
+    ``TMA_MIN_SEQLEN`` on (benchmarks/NOTES.md, v0.4)."""
+    if variant.is_varlen or min(seqlen_q, seqlen_k) < TMA_MIN_SEQLEN:
         return False
     device = tensors[0].device
     if device.type == "cuda":
@@ -726,8 +740,8 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _lse_empty(q, batch, nheads_q, seqlen_q, variant)
     block_d = _block_d(head_dim)
-    use_tma = _tma_usable(variant, q, k, v, out)
-    cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0, variant.attn_bias is not None)
+    use_tma = _tma_usable(variant, seqlen_q, seqlen_k, q, k, v, out)
+    cfg = _fwd_config(block_d, q.dtype, variant.window[1] >= 0, variant.attn_bias is not None, use_tma)
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
     tiles = (q, k, v, out)
     if use_tma:
