@@ -89,6 +89,26 @@ def _load_rows(ptrs, m_rows, m_d, APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr
 
 
 @triton.jit
+def _alibi_slope_log2(AlibiSlopes, i_b, i_h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """Head ``i_h``'s ALiBi slope in log2 units (0 without ALiBi); slopes are (nheads,) or (batch, nheads)."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(AlibiSlopes + i_b * stride_ab + i_h) * 1.4426950408889634
+    return slope
+
+
+@triton.jit
+def _dropout_setup(Seed, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(Philox seed, 1 / (1 − p)) of this launch; (0, 1) without dropout."""
+    seed = 0
+    scale = 1.0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+        scale = 1.0 / (1.0 - dropout_p)
+    return seed, scale
+
+
+@triton.jit
 def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d,
                 APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -192,14 +212,8 @@ def _attn_fwd_kernel(
                + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd)
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
-    alibi_slope_log2 = 0.0
-    if HAS_ALIBI:
-        alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
-    seed = 0
-    dropout_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        dropout_scale = 1.0 / (1.0 - dropout_p)
+    alibi_slope_log2 = _alibi_slope_log2(AlibiSlopes, i_b, i_hq, stride_ab, HAS_ALIBI)
+    seed, dropout_scale = _dropout_setup(Seed, dropout_p, HAS_DROPOUT)
 
     diagonal = seqlen_k - seqlen_q  # bottom-right alignment
     row_start = i_m * BLOCK_M
@@ -364,11 +378,7 @@ def _attn_bwd_dkdv_kernel(
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    seed = 0
-    dropout_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        dropout_scale = 1.0 / (1.0 - dropout_p)
+    seed, dropout_scale = _dropout_setup(Seed, dropout_p, HAS_DROPOUT)
 
     diagonal = seqlen_k - seqlen_q
     col_start = i_n * BLOCK_N
@@ -388,9 +398,7 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + i_b * stride_lb + i_hq * stride_lh + q_start
         bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
         dbias_base = DBias + i_bhq * seqlen_q * seqlen_k  # dense [batch, nheads_q, seqlen_q, seqlen_k]
-        alibi_slope_log2 = 0.0
-        if HAS_ALIBI:
-            alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
+        alibi_slope_log2 = _alibi_slope_log2(AlibiSlopes, i_b, i_hq, stride_ab, HAS_ALIBI)
         # the query blocks in three runs: masked (diagonal) edge, whole blocks, masked far edge
         for run in tl.static_range(3):
             run_lo = lo if run == 0 else full_lo if run == 1 else full_hi
@@ -497,14 +505,8 @@ def _attn_bwd_dq_kernel(
     k_base = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
     v_base = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
     bias_base = Bias + i_b * stride_bb + i_hq * stride_bh
-    alibi_slope_log2 = 0.0
-    if HAS_ALIBI:
-        alibi_slope_log2 = tl.load(AlibiSlopes + i_b * stride_ab + i_hq) * 1.4426950408889634
-    seed = 0
-    dropout_scale = 1.0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        dropout_scale = 1.0 / (1.0 - dropout_p)
+    alibi_slope_log2 = _alibi_slope_log2(AlibiSlopes, i_b, i_hq, stride_ab, HAS_ALIBI)
+    seed, dropout_scale = _dropout_setup(Seed, dropout_p, HAS_DROPOUT)
 
     diagonal = seqlen_k - seqlen_q
     row_start = i_m * BLOCK_M
