@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import hopper
 from .scores import (
     _dropout_keep,
     _key_range,
@@ -633,6 +634,9 @@ INT32_MAX = 2**31 - 1
 # On the H200, descriptor loads (with their configs) beat pointer loads at seqlen 4096-16384 in every
 # standard case, and lost at 512-2048 in some (benchmarks/NOTES.md, v0.4).
 TMA_MIN_SEQLEN = 4096
+# (head dim, causal): the seqlen from which the Gluon forward (flashtile.hopper) beat the Triton one on
+# the H200: at head dim 128 everywhere (1.1-1.4x), at 64 from 2048 (causal 8192) on (NOTES.md, v0.5).
+GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 2048, (64, True): 8192}
 
 
 def _check_offsets(**tensors) -> None:
@@ -648,11 +652,20 @@ def _check_offsets(**tensors) -> None:
             )
 
 
+def _descriptor_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can move tiles of these tensors: a contiguous head dim and positive
+    16-byte-aligned strides and bases."""
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+        and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
 def _tma_usable(variant: Variant, seqlen_q: int, seqlen_k: int, *tensors: torch.Tensor) -> bool:
     """Whether the forward loads its tiles through tensor descriptors. They need Hopper's copy
-    engine (or the interpreter), one sequence per batch row (not packed), a contiguous head dim,
-    and positive 16-byte-aligned strides and bases; and they pay off only from
-    ``TMA_MIN_SEQLEN`` on (benchmarks/NOTES.md, v0.4)."""
+    engine (or the interpreter), one sequence per batch row (not packed) and descriptor-compatible
+    tensors; and they pay off only from ``TMA_MIN_SEQLEN`` on (benchmarks/NOTES.md, v0.4)."""
     if variant.is_varlen or min(seqlen_q, seqlen_k) < TMA_MIN_SEQLEN:
         return False
     device = tensors[0].device
@@ -661,11 +674,22 @@ def _tma_usable(variant: Variant, seqlen_q: int, seqlen_k: int, *tensors: torch.
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return all(
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-        and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in tensors
-    )
+    return _descriptor_compatible(*tensors)
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _gluon_usable(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward runs ``flashtile.hopper``'s Gluon kernel: on an sm_90 GPU, for plain full
+    or causal attention in 16 bits at a head dim it has, from ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
+    head_dim, seqlen, causal = q.shape[-1], min(q.shape[1], k.shape[1]), variant.window == (-1, 0)
+    plain = (variant.window in ((-1, -1), (-1, 0)) and variant.softcap == 0 and variant.alibi_slopes is None
+             and variant.attn_bias is None and variant.dropout_p == 0 and not variant.is_varlen)
+    return (plain and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
+            and seqlen >= GLUON_MIN_SEQLEN.get((head_dim, causal), INT32_MAX) and _is_sm90(q.device)
+            and _descriptor_compatible(q, k, v))
 
 
 def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
@@ -737,6 +761,8 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
     ``variant.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
     _check_offsets(q=q, k=k, v=v, attn_bias=variant.attn_bias)
+    if _gluon_usable(variant, q, k, v):
+        return hopper.flash_attn_forward_sm90(q, k, v, softmax_scale * LOG2E, causal=variant.window == (-1, 0))
     shape = _shape(q, k, variant)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
