@@ -17,6 +17,7 @@ import torch
 import triton
 
 from flashtile import kernels
+from flashtile.bench import environment
 
 ALWAYS, NEVER = 1, 1 << 62  # TMA_MIN_SEQLEN values that force each path
 
@@ -55,8 +56,7 @@ def main(argv=None):
                       f"  ({tflops['descriptors'] / tflops['pointers']:.2f}x)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           records=records), f, indent=1)
+            json.dump(dict(environment=environment("cuda"), records=records), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 import triton
 
 from flashtile import kernels
+from flashtile.bench import environment
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates by head-dim class: tiles wider than 128
 # need smaller blocks and fewer stages to fit in shared memory. The backward's two kernels are
@@ -167,8 +168,7 @@ def main(argv=None):
             print(f"  {mode:>4} {str(cand):>18} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{'  <- default' if is_default else ''}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           records=records), f, indent=1)
+            json.dump(dict(environment=environment("cuda"), records=records), f, indent=1)
 
 
 if __name__ == "__main__":
