@@ -107,6 +107,12 @@ def gather_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", dim
     return torch.cat(chunks, dim)
 
 
+# Message tags: in the backward a K/V shard and a dK/dV accumulator travel between the same two
+# ranks at once, with different sizes; distinct tags keep each receive matched to its kind of message
+# whatever order the transport delivers them in (NCCL ignores tags and keeps its own order).
+KV_TAG, DKV_TAG = 0, 1
+
+
 class _Ring:
     """The ring of a process group: rank r sends to r + 1 and receives from r − 1."""
 
@@ -123,14 +129,14 @@ class _Ring:
         """The rank whose K/V shard this rank holds at ``step``."""
         return (self.rank - step) % self.world_size
 
-    def start_pass(self, tensor: torch.Tensor) -> _Pass:
+    def start_pass(self, tensor: torch.Tensor, tag: int) -> _Pass:
         """Send ``tensor`` to the next rank and receive the previous rank's, without waiting."""
         if self.world_size == 1:
             return _Pass([], tensor)
         received = torch.empty_like(tensor)
         requests = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, self.next_rank, self.group),
-            dist.P2POp(dist.irecv, received, self.prev_rank, self.group),
+            dist.P2POp(dist.isend, tensor, self.next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, received, self.prev_rank, self.group, tag),
         ])
         return _Pass(requests, received)
 
@@ -171,7 +177,7 @@ def _ring_forward(q, k, v, softmax_scale, causal, layout, ring: _Ring):
     kv = torch.stack((k, v))  # [2, B, Nk, Hk, D]: one message per step
     out = lse = None  # float32 running merge: out [B, Nq, H, D], lse [B, H, Nq]
     for step in range(ring.world_size):
-        incoming = ring.start_pass(kv) if step + 1 < ring.world_size else None
+        incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
         plan = _block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
         if plan is not None:
             rows, cols, block_causal = plan
@@ -195,7 +201,7 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, layout, ring:
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_pass = None  # the float32 dK/dV of the K/V in hand, accumulated by the ranks before
     for step in range(ring.world_size):
-        incoming = ring.start_pass(kv) if step + 1 < ring.world_size else None
+        incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
         plan = _block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
         if plan is not None:
             rows, cols, block_causal = plan
@@ -209,7 +215,7 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, layout, ring:
             dkv[0][:, cols] += block_dk
             dkv[1][:, cols] += block_dv
         # after the last step this pass delivers each shard's dK/dV to its owner
-        dkv_pass = ring.start_pass(dkv)
+        dkv_pass = ring.start_pass(dkv, DKV_TAG)
         if incoming is not None:
             kv = incoming.wait()
     dkv = dkv_pass.wait()
