@@ -69,3 +69,24 @@ def test_ops_have_fake_implementations():
     k = torch.randn(2, 11, 2, 16, device="meta")
     out, lse = torch.ops.flashtile.fwd(q, k, k, 0.25, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)
     assert out.shape == q.shape and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
+
+
+def _op_args(causal: bool):
+    """Arguments of flashtile::fwd and flashtile::bwd for one small GQA call (seqlen_q ≠ seqlen_k)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 9, 4, 40, device=DEVICE)
+    k, v = torch.randn(2, 11, 2, 40, device=DEVICE), torch.randn(2, 11, 2, 40, device=DEVICE)
+    scalars = (0.25, -1, 0 if causal else -1, 0.0, None, None, 0.0, None, None, None, 0, 0)
+    out, lse = torch.ops.flashtile.fwd(q, k, v, *scalars)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    bwd_scalars = (*scalars[:6], False, *scalars[6:])  # bias_grad follows attn_bias
+    return (q, k, v, *scalars), (torch.randn_like(out), q, k, v, out, lse, *grads, *bwd_scalars)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ops_pass_opcheck(causal):
+    # torch.library.opcheck: the schemas (dq/dk/dv mutated, nothing else), the fake implementations
+    # against real outputs, and the ops under AOT dispatch with static and dynamic shapes
+    fwd_args, bwd_args = _op_args(causal)
+    torch.library.opcheck(torch.ops.flashtile.fwd.default, fwd_args)
+    torch.library.opcheck(torch.ops.flashtile.bwd.default, bwd_args)

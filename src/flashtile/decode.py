@@ -44,6 +44,7 @@ checked for tensor ``cache_seqlens`` because that would need a device-to-host sy
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,6 +52,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from ._host import cdiv, next_power_of_2
 from .interface import _FLOAT_DTYPES, MAX_HEAD_DIM
 from .kernels import LOG2E, _block_d, _dot_precision  # importing kernels also patches the interpreter's bf16 dot
 from .merge import merge_states_into
@@ -172,6 +174,7 @@ def _kvcache_attn_fwd_kernel(
 # Launcher
 
 
+@functools.lru_cache(maxsize=4096)  # a decoding loop asks the same question every step; the scan costs µs
 def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, max_splits: int = 128) -> int:
     """Split count for ``num_programs`` (batch · nheads_k · query blocks) programs, flash-attn 2's rule.
 
@@ -196,6 +199,7 @@ def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, m
     return next(s for s in range(1, max_splits + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -205,7 +209,7 @@ def _num_sms(device: torch.device) -> int:
 def _decode_config(block_d: int, dtype: torch.dtype, query_rows: int) -> dict:
     """Block shapes: the M block holds the packed (query position, head) rows, at least 16 for tl.dot."""
     wide = dtype == torch.float32
-    block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
+    block_m = min(64, max(16, next_power_of_2(query_rows)))
     if block_d <= 128:
         return dict(BLOCK_M=block_m, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
     return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)
@@ -219,8 +223,8 @@ def split_plan(batch, seqlen_q, group_size, nheads_k, block_d, dtype, max_seqlen
     live on the device: reading them would cost a host sync per decoding step.
     """
     cfg = dict(_decode_config(block_d, dtype, seqlen_q * group_size), **(config or {}))
-    num_m_blocks = triton.cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
-    num_key_blocks = max(1, triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]))
+    num_m_blocks = cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
+    num_key_blocks = max(1, cdiv(max_seqlen_k, cfg["BLOCK_N"]))
     if num_splits == 0:
         num_splits = num_splits_heuristic(batch * nheads_k * num_m_blocks, _num_sms(device), num_key_blocks)
     return cfg, num_m_blocks, min(num_splits, num_key_blocks)
@@ -307,7 +311,7 @@ def _sequence_kv(k_cache, v_cache, b: int, seqlen: int, cache_batch_idx, block_t
     if block_table is None:
         row = b if cache_batch_idx is None else int(cache_batch_idx[b])
         return k_cache[row, :seqlen], v_cache[row, :seqlen]
-    pages = block_table[b, : triton.cdiv(seqlen, k_cache.shape[1])].long()
+    pages = block_table[b, : cdiv(seqlen, k_cache.shape[1])].long()
     return k_cache[pages].flatten(0, 1)[:seqlen], v_cache[pages].flatten(0, 1)[:seqlen]
 
 

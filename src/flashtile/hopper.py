@@ -30,8 +30,9 @@ portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; 
 Gluon has no interpreter, so this file is tested on the GPU only (tests/test_hopper.py).
 """
 
+import functools
+
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,6 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
+
+from ._host import cdiv
 
 # Consumer warpgroups per CTA, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md v0.5: three
 # at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the setmaxnreg
@@ -248,11 +251,16 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride
                             (_producer, producer)], [4, 1], [240, 24])
 
 
+@functools.cache
+def _box_layout(box: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    # the same few boxes on every call, and working the layout out costs ~6 µs of Python each time
+    return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, head_dim] boxes."""
-    box = [1, rows, 1, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+    box = (1, rows, 1, t.shape[-1])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype))
 
 
 def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: float,
@@ -265,7 +273,7 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     head_dim = q.shape[-1]
     num_consumers = CONSUMERS[head_dim]
-    grid = (triton.cdiv(seqlen_q, num_consumers * ROWS), batch * nheads_q)
+    grid = (cdiv(seqlen_q, num_consumers * ROWS), batch * nheads_q)
     _attn_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, ROWS),
         lse, lse.stride(0), lse.stride(1), nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, qk_scale,

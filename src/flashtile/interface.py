@@ -64,20 +64,23 @@ def _check_inputs(q, k, v, *, heads_axis: int, names=("q", "k", "v"), packed: bo
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
+    def shapes():  # formatted for an error only: this check runs on every call
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {shapes}")
+        raise ValueError(f"k and v must have the same shape, got {shapes()}")
     if not packed and q.shape[0] != k.shape[0]:
-        raise ValueError(f"batch sizes differ: {shapes}")
+        raise ValueError(f"batch sizes differ: {shapes()}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: {shapes}")
+        raise ValueError(f"head dims differ: {shapes()}")
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim} ({shapes})")
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim} ({shapes()})")
     nheads_q, nheads_k = q.shape[heads_axis], k.shape[heads_axis]
     if nheads_k == 0 or nheads_q % nheads_k != 0:
         raise ValueError(
-            f"nheads of q ({nheads_q}) must be a multiple of nheads of k/v ({nheads_k}): {shapes}"
+            f"nheads of q ({nheads_q}) must be a multiple of nheads of k/v ({nheads_k}): {shapes()}"
         )
 
 

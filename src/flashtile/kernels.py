@@ -43,6 +43,7 @@ user never pads). float32 inputs use IEEE float32 dots.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import hopper
+from ._host import cdiv, next_power_of_2
 from .scores import (
     _dropout_keep,
     _key_range,
@@ -569,7 +571,7 @@ PLAIN = Variant()
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -670,15 +672,20 @@ def _tma_usable(variant: Variant, seqlen_q: int, seqlen_k: int, *tensors: torch.
         return False
     device = tensors[0].device
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if _capability(device)[0] < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return False
     return _descriptor_compatible(*tensors)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _capability(device) == (9, 0)
 
 
 def _gluon_usable(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -775,7 +782,7 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     if use_tma:
         tiles = (_descriptor(q, cfg["BLOCK_M"], block_d), _descriptor(k, cfg["BLOCK_N"], block_d),
                  _descriptor(v, cfg["BLOCK_N"], block_d), _descriptor(out, cfg["BLOCK_M"], block_d))
-    grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
+    grid = (cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
     _attn_fwd_kernel[grid](
         *tiles, lse, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *_lse_strides(lse),
@@ -802,7 +809,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
 
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * nheads_q)](
+    _attn_bwd_preprocess_kernel[(cdiv(seqlen_q, 64), batch * nheads_q)](
         out, dout, delta, pointers["CuSeqlensQ"], *_strides4(out), *_strides4(dout), *_lse_strides(lse),
         nheads_q, seqlen_q, IS_VARLEN=variant.is_varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
     )
@@ -818,14 +825,14 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
+    _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
         nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
-    _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
+    _attn_bwd_dq_kernel[(cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
         q, k, v, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),

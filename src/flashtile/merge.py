@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
 from .ops import uses_triton
 
 __all__ = ["merge_attention_states", "merge_split_attention_states"]
@@ -90,9 +91,9 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
     num_parts, n, seqlen, nheads, head_dim = outs.shape
     if out.numel() == 0 and lse.numel() == 0:
         return
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_s = min(16, triton.next_power_of_2(seqlen))
-    grid = (triton.cdiv(seqlen, block_s), n * nheads)
+    block_d = max(16, next_power_of_2(head_dim))
+    block_s = min(16, next_power_of_2(seqlen))
+    grid = (cdiv(seqlen, block_s), n * nheads)
     _merge_states_kernel[grid](
         outs, lses, out, lse,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),

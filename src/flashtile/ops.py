@@ -7,6 +7,12 @@ traces through them with no graph break and no host sync. The backward writes
 into ``dq``/``dk``/``dv`` buffers it is given (it mutates them), so the packed
 functions can hand it the slices of one packed gradient.
 
+They are defined with explicit schemas and one CompositeExplicitAutograd kernel each
+(``torch.library.Library``), not with ``torch.library.custom_op``: the latter wraps
+every call in a Python autograd kernel and a Dynamo guard, ~20 µs of host time per
+call on a CPU core (``benchmarks/host_overhead.py``), which short sequences and
+decoding pay on every layer. Autograd is ``flashtile.autograd``'s single Function.
+
 Each dispatches by device: CUDA tensors run the Triton kernels; CPU tensors run
 ``flashtile.reference``'s tiled algorithm (O(N) memory), except under
 ``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the CPU.
@@ -59,15 +65,22 @@ def _attends_nothing(q, k, cu_seqlens_q) -> bool:
     return q.numel() == 0 or k.shape[token_axis] == 0
 
 
-@torch.library.custom_op("flashtile::fwd", mutates_args=())
-def _fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-    window_left: int, window_right: int, softcap: float,
-    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None,
-    dropout_p: float, dropout_seed: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int, max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+_LIBRARY = torch.library.Library("flashtile", "DEF")
+_LIBRARY.define(
+    "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, SymInt window_left, SymInt window_right, "
+    "float softcap, Tensor? alibi_slopes, Tensor? attn_bias, float dropout_p, Tensor? dropout_seed, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> (Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
+    "Tensor(c!) dv, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
+    "Tensor? alibi_slopes, Tensor? attn_bias, bool bias_grad, float dropout_p, Tensor? dropout_seed, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> Tensor"
+)
+
+
+def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
+         dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     if _attends_nothing(q, k, cu_seqlens_q):
         # nothing to attend: output 0, log-sum-exp -inf
         return q.new_zeros(q.shape), torch.full(_lse_shape(q, k, cu_seqlens_q), -math.inf, device=q.device)
@@ -88,23 +101,17 @@ def _fwd(
     return out.transpose(1, 2).contiguous(), lse.float()
 
 
-@_fwd.register_fake
+_LIBRARY.impl("fwd", _fwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashtile::fwd", lib=_LIBRARY)
 def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
       dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, k, cu_seqlens_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtile::bwd", mutates_args=("dq", "dk", "dv"))
-def _bwd(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor,
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
-    window_left: int, window_right: int, softcap: float,
-    alibi_slopes: torch.Tensor | None, attn_bias: torch.Tensor | None, bias_grad: bool,
-    dropout_p: float, dropout_seed: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int, max_seqlen_k: int,
-) -> torch.Tensor:
+def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+         attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """Writes dq, dk, dv; returns the bias gradient (shaped like attn_bias), or an empty tensor."""
     no_bias_grad = q.new_empty((0,), dtype=torch.float32)
     if _attends_nothing(q, k, cu_seqlens_q):
@@ -135,7 +142,10 @@ def _bwd(
     return dbias.to(attn_bias.dtype) if bias_grad else no_bias_grad
 
 
-@_bwd.register_fake
+_LIBRARY.impl("bwd", _bwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashtile::bwd", lib=_LIBRARY)
 def _(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
       attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return torch.empty_like(attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)

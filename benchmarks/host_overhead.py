@@ -1,0 +1,127 @@
+"""Host time per call: what flashtile's Python layers cost before a kernel runs.
+
+Short sequences and decoding are launch-bound: at seqlen 512 on the H200 a forward's kernel took
+136–215 µs and the host 106–171 µs (``results/h200.md``, the small-N probe), and a decoding step's
+kernel takes a few µs. This times the host side alone, per call, median of ``--repeats`` rounds.
+
+* On a GPU: tiny shapes whose kernels take a few µs, calls issued back to back, one synchronisation
+  per round: the wall time per call is the host's, since the GPU keeps up. SDPA (the backend it
+  picks) is timed the same way, as the peer.
+* On a CPU: the Triton launches are replaced by no-ops (a CPU cannot launch them), so what is timed
+  is everything above the launch: validation, the autograd Function, the operator dispatch and the
+  launchers' choice of kernel and config. Triton's own launch path is not in this figure.
+
+    PYTHONPATH=src python3 benchmarks/host_overhead.py [--out host.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path, with its launches made no-ops
+
+import torch.nn.functional as F  # noqa: E402
+
+import flashtile  # noqa: E402
+from flashtile import decode, kernels, merge  # noqa: E402
+from flashtile.bench import environment  # noqa: E402
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _disable_launches():
+    for module in (kernels, decode, merge):
+        for name, obj in list(vars(module).items()):
+            if type(obj).__module__.startswith("triton.runtime") and hasattr(obj, "fn"):
+                setattr(module, name, _NoLaunch())
+
+
+def _per_call_us(fn, calls: int, repeats: int, sync) -> float:
+    for _ in range(calls // 4):  # warm-up: compiles, caches, allocator
+        fn()
+    sync()
+    rounds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def _cases(device: str):
+    """(name, flashtile call, SDPA call or None) on tiny bf16 shapes: batch 1, 8 heads, head dim 64."""
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (batch, heads, seqlen, dim)
+    qtg, ktg, vtg = (t.clone().requires_grad_() for t in (qt, kt, vt))
+    doutt = dout.transpose(1, 2)
+    k_cache, v_cache = (torch.randn(4, 1024, 8, 64, device=device, dtype=dtype) for _ in range(2))
+    q_step = torch.randn(4, 1, 8, 64, device=device, dtype=dtype)
+    cache_seqlens = torch.full((4,), 1000, dtype=torch.int32, device=device)
+
+    def inference():
+        with torch.no_grad():
+            flashtile.flash_attn_func(q, k, v, causal=True)
+
+    def sdpa_inference():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    # autograd.grad, not backward(): accumulating into .grad would add three tensor additions
+    def training():
+        torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)
+
+    def sdpa_training():
+        torch.autograd.grad(F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True), (qtg, ktg, vtg), doutt)
+
+    def decoding():
+        flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
+
+    return [("forward (no grad)", inference, sdpa_inference),
+            ("forward + backward", training, sdpa_training),
+            ("decode step (kv cache 4 x 1024)", decoding, None)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", help="write the measurements as JSON here")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cpu":
+        _disable_launches()
+    records = []
+    print(f"host time per call, µs (median of {args.repeats} rounds of {args.calls} calls), {device}"
+          + ("" if device == "cuda" else ": Triton launches are no-ops"))
+    for name, ours, peer in _cases(device):
+        record = dict(case=name, flashtile_us=_per_call_us(ours, args.calls, args.repeats, sync))
+        if device == "cuda" and peer is not None:
+            record["sdpa_us"] = _per_call_us(peer, args.calls, args.repeats, sync)
+        records.append(record)
+        peer_text = f"   SDPA {record['sdpa_us']:7.1f}" if "sdpa_us" in record else ""
+        print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}{peer_text}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment=environment(device), records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
