@@ -8,10 +8,11 @@ into ``dq``/``dk``/``dv`` buffers it is given (it mutates them), so the packed
 functions can hand it the slices of one packed gradient.
 
 They are defined with explicit schemas and one CompositeExplicitAutograd kernel each
-(``torch.library.Library``), not with ``torch.library.custom_op``: the latter wraps
-every call in a Python autograd kernel and a Dynamo guard, ~20 µs of host time per
-call on a CPU core (``benchmarks/host_overhead.py``), which short sequences and
-decoding pay on every layer. Autograd is ``flashtile.autograd``'s single Function.
+(``torch.library.Library``), not with ``torch.library.custom_op``, which wraps every
+call in a Python autograd kernel and a Dynamo guard and, for the mutating backward,
+re-reads the schema's defaults: a forward+backward's host time fell from ~445 to
+~180 µs on a CPU core without them (benchmarks/NOTES.md, "Host overhead"). Autograd
+is ``flashtile.autograd``'s single Function.
 
 Each dispatches by device: CUDA tensors run the Triton kernels; CPU tensors run
 ``flashtile.reference``'s tiled algorithm (O(N) memory), except under
