@@ -199,3 +199,15 @@ def test_descriptor_loads_only_where_they_apply():
     assert not _tma_usable(Variant(), long, long, aligned, odd_head_dim)
     assert not _tma_usable(Variant(), long, long, aligned, broadcast)
     assert not _tma_usable(packed, long, long, aligned, aligned)
+
+
+def test_launcher_integer_math_matches_triton():
+    # the launchers size grids and blocks with flashtile._host's plain-int versions of these
+    import triton
+
+    from flashtile._host import cdiv, next_power_of_2
+
+    for n in [*range(1, 300), 1023, 1024, 1025, 2**31 - 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 16, 64, 128, 176):
+            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
