@@ -74,6 +74,8 @@ class _Tiling:
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
