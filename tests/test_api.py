@@ -83,3 +83,14 @@ def test_tensors_beyond_32_bit_offsets_are_refused():
     k = torch.empty(1, 1024, 8, 128, device="meta", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"q of shape \(1, 1048576, 32, 128\) spans 4294967296 elements"):
         flash_attn_forward(q, k, k, 0.1)
+
+
+def test_op_helpers_refuse_inputs_that_need_grad():
+    # flashtile.ops' helpers have no autograd formula; PyTorch would otherwise leave q.grad None
+    q = torch.randn(1, 5, 2, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        flashtile.ops.attention_forward(q, q, q, 0.25, causal=True)
+    with torch.no_grad():
+        out, lse = flashtile.ops.attention_forward(q, q, q, 0.25, causal=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        flashtile.ops.attention_backward(torch.randn_like(q), q, q, q, out, lse, 0.25, causal=True)

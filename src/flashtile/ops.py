@@ -66,18 +66,15 @@ def _attends_nothing(q, k, cu_seqlens_q) -> bool:
     return q.numel() == 0 or k.shape[token_axis] == 0
 
 
-_LIBRARY = torch.library.Library("flashtile", "DEF")
-_LIBRARY.define(
-    "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, SymInt window_left, SymInt window_right, "
-    "float softcap, Tensor? alibi_slopes, Tensor? attn_bias, float dropout_p, Tensor? dropout_seed, "
-    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> (Tensor, Tensor)"
-)
-_LIBRARY.define(
-    "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
-    "Tensor(c!) dv, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
-    "Tensor? alibi_slopes, Tensor? attn_bias, bool bias_grad, float dropout_p, Tensor? dropout_seed, "
-    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> Tensor"
-)
+_SCHEMAS = {
+    "fwd": "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, SymInt window_left, SymInt window_right, "
+           "float softcap, Tensor? alibi_slopes, Tensor? attn_bias, float dropout_p, Tensor? dropout_seed, "
+           "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> (Tensor, Tensor)",
+    "bwd": "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
+           "Tensor(c!) dv, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
+           "Tensor? alibi_slopes, Tensor? attn_bias, bool bias_grad, float dropout_p, Tensor? dropout_seed, "
+           "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> Tensor",
+}
 
 
 def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
@@ -102,11 +99,7 @@ def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slope
     return out.transpose(1, 2).contiguous(), lse.float()
 
 
-_LIBRARY.impl("fwd", _fwd, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("flashtile::fwd", lib=_LIBRARY)
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
       dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, k, cu_seqlens_q), dtype=torch.float32)
 
@@ -143,13 +136,26 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window
     return dbias.to(attn_bias.dtype) if bias_grad else no_bias_grad
 
 
-_LIBRARY.impl("bwd", _bwd, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("flashtile::bwd", lib=_LIBRARY)
-def _(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
       attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return torch.empty_like(attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+
+
+if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook autoreload) keeps the first
+    _LIBRARY = torch.library.Library("flashtile", "DEF")  # registrations live as long as this object
+    # pt2_compliant_tag: what custom_op would add, and what torch.compile's strict op check asks for
+    for _name, _kernel, _fake in (("fwd", _fwd, _fwd_fake), ("bwd", _bwd, _bwd_fake)):
+        _LIBRARY.define(_SCHEMAS[_name], tags=(torch.Tag.pt2_compliant_tag,))
+        _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_LIBRARY)
+
+
+def _refuse_autograd(*tensors) -> None:
+    # the operators have no autograd formula (flashtile.autograd is the differentiable layer), and
+    # PyTorch's fallback would only warn at backward time and leave the gradients None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("flashtile.ops.attention_forward/attention_backward are not differentiable: call them "
+                           "under torch.no_grad() or inside an autograd.Function, or use flash_attn_func")
 
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_size=(-1, -1), softcap=0.0,
@@ -159,6 +165,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_siz
     For code that composes attention calls itself, such as ring attention.
     ``dropout_seed``: an int, or an int64 tensor of one element (needed when dropout_p > 0).
     """
+    _refuse_autograd(q, k, v, alibi_slopes, attn_bias)
     left, right = window_size
     if causal:
         right = 0
@@ -175,6 +182,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     ``out`` and ``lse`` may be those of a larger attention that this call is a part of
     (ring attention): the gradients are then this part's share.
     """
+    _refuse_autograd(dout, q, k, v, out, lse, alibi_slopes)
     left, right = window_size
     if causal:
         right = 0
