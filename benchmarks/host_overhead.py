@@ -84,6 +84,12 @@ def _cases(device: str):
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
     # autograd.grad, not backward(): accumulating into .grad would add three tensor additions
+    def recording():  # what `flashtile bench` times as its forward: the inputs need grad
+        flashtile.flash_attn_func(qg, kg, vg, causal=True)
+
+    def sdpa_recording():
+        F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True)
+
     def training():
         torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)
 
@@ -94,6 +100,7 @@ def _cases(device: str):
         flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
 
     return [("forward (no grad)", inference, sdpa_inference),
+            ("forward, inputs need grad", recording, sdpa_recording),
             ("forward + backward", training, sdpa_training),
             ("decode step (kv cache 4 x 1024)", decoding, None)]
 

@@ -315,10 +315,10 @@ class AccuracyCheck:
         return cls(rows, expected, error_bound(expected, lowp, ACCURACY_FACTOR))
 
 
-# In v0.5's sweep the first shapes of each case read up to 2.5x low, and a later probe of the same
-# shape did not (results/h200.md). The likely cause: the GPU idles while the first call compiles
-# (seconds) and its clocks take longer to climb back than the timer's 10 ms warm-up. So each shape
-# runs this long, after its first call, before it is timed.
+# The GPU idles while a first call compiles (seconds), and its clocks may take longer to climb back than
+# the timer's 10 ms warm-up: in v0.5's sweep a shape timed right after a 4.7 s compile read 0.68x a later
+# probe of it (benchmarks/NOTES.md, "Host overhead"). So each shape runs this long, after its first
+# call, before it is timed.
 CLOCK_RAMP_S = 0.3
 
 
