@@ -1,19 +1,25 @@
 #!/bin/bash
-# One device call that checks and times the tree on a GPU machine (see /work/.library/device in this
-# workplace): the CUDA test suite, the descriptor-vs-pointer forward per seqlen, the standard sweep
-# with SDPA flash and cuDNN, FlexAttention, and the head-dim 192/256 shapes against SDPA flash;
-# the host time per call (benchmarks/host_overhead.py) against SDPA's.
-# Writes at most 8 files under $OUT (logs and bench.json files; the plots packed in one archive).
-#   bash benchmarks/device_round.sh
-# The steps' timeouts add up to more than a device command's 10 minutes: a slow round loses its last
-# step (the logs show which).
+# The device calls that check and time the tree on a GPU machine (see /work/.library/device in this
+# workplace), in two parts that each fit one 10-minute command:
+#   bash benchmarks/device_round.sh tests     the CUDA test suite
+#   bash benchmarks/device_round.sh timings   the descriptor-vs-pointer forward per seqlen, the host time per
+#                                             call against SDPA's, the standard sweep with SDPA flash, cuDNN
+#                                             and FlexAttention, and head dims 192/256 against SDPA flash
+# Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
+if [ "$1" != tests ] && [ "$1" != timings ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|timings" >&2
+  exit 2
+fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline | head -1
-timeout 300 python3 -m pytest -q -n 14 tests > $OUT/pytest.log 2>&1; tail -3 $OUT/pytest.log
+if [ "$1" = tests ]; then
+  timeout 560 python3 -m pytest -q -n 14 tests > $OUT/pytest.log 2>&1; tail -3 $OUT/pytest.log
+  exit
+fi
 timeout 80 python3 benchmarks/tma_threshold.py > $OUT/tma_threshold.log 2>&1; cat $OUT/tma_threshold.log
 timeout 40 python3 benchmarks/host_overhead.py --out $OUT/host.json
-timeout 200 python3 -m flashtile bench --providers flashtile,sdpa_flash,sdpa_cudnn,flex --seqlens 512,2048,4096,16384 \
+timeout 300 python3 -m flashtile bench --providers flashtile,sdpa_flash,sdpa_cudnn,flex --seqlens 512,2048,4096,16384 \
   --out-dir $OUT/std > $OUT/std.log 2>&1
 timeout 60 python3 -m flashtile bench --providers flashtile,sdpa_flash --seqlens 4096 --batch 4 --nheads 16 \
   --headdims 192,256 --causal --rep 30 --out-dir $OUT/cliffs > $OUT/cliffs.log 2>&1
