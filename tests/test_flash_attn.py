@@ -108,6 +108,12 @@ def test_softmax_scale(backend):
     check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=0.3)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.2], ids=["scale0", "scale-neg"])
+def test_non_positive_softmax_scale(backend, scale):
+    # 0 averages the visible values; masked (causal, out-of-range) keys must stay out either way
+    check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=scale)
+
+
 @with_descriptor_loads
 def test_non_contiguous_inputs(backend):
     # q, k, v as views into one packed (batch, seqlen, 3, nheads, headdim) tensor, and a

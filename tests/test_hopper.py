@@ -75,25 +75,35 @@ def test_gluon_forward_strided_inputs(gluon_calls):
     assert gluon_calls
 
 
+@on_sm90
+@pytest.mark.parametrize("scale", [0.0, -0.2], ids=["scale0", "scale-neg"])
+def test_non_positive_scale_stays_off_the_gluon_path(gluon_calls, scale):
+    # masked scores are -inf before the scale: times 0 or a negative scale they would give NaN there
+    check_against_reference(*make_inputs(2, 113, 130, 4, 4, 128, torch.bfloat16, seed=15), True,
+                            softmax_scale=scale)
+    assert not gluon_calls
+
+
 def test_gluon_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(kernels, "_is_sm90", lambda device: True)
     long = kernels.GLUON_MIN_SEQLEN[64, True]
 
-    def usable(head_dim=128, seqlen=long, dtype=torch.bfloat16, variant=kernels.PLAIN, k_seqlen=None):
+    def usable(head_dim=128, seqlen=long, dtype=torch.bfloat16, variant=kernels.PLAIN, k_seqlen=None, scale=0.1):
         q = torch.randn(1, seqlen, 2, head_dim).to(dtype)
         k = torch.randn(1, k_seqlen or seqlen, 2, head_dim).to(dtype)
-        return kernels._gluon_usable(variant, q, k, k)
+        return kernels._gluon_usable(variant, scale, q, k, k)
 
     assert usable() and usable(dtype=torch.float16) and usable(head_dim=64)
     assert usable(variant=kernels.Variant(window=(-1, 0)))  # causal
     causal = kernels.Variant(window=(-1, 0))
     assert not usable(head_dim=64, seqlen=long, k_seqlen=long - 1, variant=causal)  # below its threshold
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
+    assert not usable(scale=0.0) and not usable(scale=-0.1)  # the kernel masks before it scales
     for variant in (kernels.Variant(window=(16, 0)), kernels.Variant(softcap=30.0),
                     kernels.Variant(alibi_slopes=torch.ones(2)), kernels.Variant(attn_bias=torch.zeros(1, 1, 1, 1)),
                     kernels.Variant(dropout_p=0.1, dropout_seed=torch.zeros(1, dtype=torch.int64))):
         assert not usable(variant=variant), variant
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
-    assert not kernels._gluon_usable(kernels.PLAIN, q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
+    assert not kernels._gluon_usable(kernels.PLAIN, 0.1, q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
     monkeypatch.setattr(kernels, "_is_sm90", lambda device: False)
     assert not usable()

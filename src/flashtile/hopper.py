@@ -26,7 +26,9 @@ log-sum-exp in natural log, float32, and a row that sees no key gets output 0 an
 
 Limits (``kernels.flash_attn_forward`` sends everything else to the Triton kernel, which stays the
 portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64 and
-128; full or causal attention without bias, ALiBi, softcap, window, dropout or packed batches.
+128; full or causal attention without bias, ALiBi, softcap, window, dropout or packed batches; a
+positive softmax scale (masking sets raw scores to −inf before the scale multiplies them, and the
+running max is kept over raw scores: with a scale ≤ 0 masked entries would give NaN).
 Gluon has no interpreter, so this file is tested on the GPU only (tests/test_hopper.py).
 """
 

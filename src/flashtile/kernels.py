@@ -688,13 +688,15 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device) == (9, 0)
 
 
-def _gluon_usable(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _gluon_usable(variant: Variant, softmax_scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.hopper``'s Gluon kernel: on an sm_90 GPU, for plain full
-    or causal attention in 16 bits at a head dim it has, from ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
+    or causal attention in 16 bits at a head dim it has, with a positive softmax scale (it masks raw
+    scores before scaling them), from ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
     head_dim, seqlen, causal = q.shape[-1], min(q.shape[1], k.shape[1]), variant.window == (-1, 0)
     plain = (variant.window in ((-1, -1), (-1, 0)) and variant.softcap == 0 and variant.alibi_slopes is None
              and variant.attn_bias is None and variant.dropout_p == 0 and not variant.is_varlen)
-    return (plain and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
+    return (plain and softmax_scale > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and q.numel() > 0 and k.numel() > 0
             and seqlen >= GLUON_MIN_SEQLEN.get((head_dim, causal), INT32_MAX) and _is_sm90(q.device)
             and _descriptor_compatible(q, k, v))
 
@@ -768,7 +770,7 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
     ``variant.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
     _check_offsets(q=q, k=k, v=v, attn_bias=variant.attn_bias)
-    if _gluon_usable(variant, q, k, v):
+    if _gluon_usable(variant, softmax_scale, q, k, v):
         return hopper.flash_attn_forward_sm90(q, k, v, softmax_scale * LOG2E, causal=variant.window == (-1, 0))
     shape = _shape(q, k, variant)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
