@@ -357,6 +357,9 @@ def _check_int32(name, t, shape):
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
+
+
 def _check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if (k is None) != (v is None):
@@ -385,6 +388,9 @@ def _check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_
         raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim} ({shapes})")
     if nheads_k == 0 or nheads_q % nheads_k != 0:
         raise ValueError(f"nheads of q ({nheads_q}) must be a multiple of nheads of the cache ({nheads_k}): {shapes}")
+    if batch * nheads_k > MAX_GRID_Y:
+        raise ValueError(f"batch · nheads of the cache ({batch} · {nheads_k}) must be ≤ {MAX_GRID_Y}, the kernel "
+                         f"grid's second axis: split the batch into several calls ({shapes})")
     if k is not None:
         expected = (batch, k.shape[1], nheads_k, head_dim)
         for name, t in (("k", k), ("v", v)):

@@ -5,7 +5,7 @@ warpgroups take turns at the matmuls and the softmax, so the tensor cores idle w
 (benchmarks/NOTES.md, "The profile"). Gluon (``triton.experimental.gluon``, in Triton 3.6) exposes
 the pieces, still in Python:
 
-* one CTA per block of 64·c query rows (one (Q block, batch·head) program, as in ``kernels``), split
+* one CTA per block of 64·c query rows (one program per (Q block, head, batch), as in ``kernels``), split
   into partitions of warps that share K/V tiles in shared memory:
   - a **producer warp** moves Q once, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with
     the tensor copy engine (TMA), each buffer guarded by a "ready" and an "empty" mbarrier;
@@ -203,14 +203,13 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
-                          nheads_q, group_size, seqlen_q, seqlen_k, qk_scale,
+                          group_size, seqlen_q, seqlen_k, qk_scale,
                           CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS
     i_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest first under causal masking
-    i_bh = gl.program_id(1)
-    i_b = i_bh // nheads_q
-    i_hq = i_bh % nheads_q
+    i_hq = gl.program_id(1)
+    i_b = gl.program_id(2)
     i_hk = i_hq // group_size
     row_start = i_m * BLOCK_M
     diagonal = seqlen_k - seqlen_q  # bottom-right alignment
@@ -277,10 +276,10 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     head_dim = q.shape[-1]
     num_consumers = CONSUMERS[head_dim]
-    grid = (cdiv(seqlen_q, num_consumers * ROWS), batch * nheads_q)
+    grid = (cdiv(seqlen_q, num_consumers * ROWS), nheads_q, batch)
     _attn_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, ROWS),
-        lse, lse.stride(0), lse.stride(1), nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        lse, lse.stride(0), lse.stride(1), nheads_q // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         NUM_STAGES=NUM_STAGES, num_warps=4,
     )

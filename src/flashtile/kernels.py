@@ -2,18 +2,18 @@
 
 Algorithm (FlashAttention-2 ordering, mirrored by ``flashtile.reference``):
 
-* forward, one program per (Q block, batch·head): walk the K/V blocks the Q
+* forward, one program per (Q block, head, batch): walk the K/V blocks the Q
   block can see with an online softmax in base 2 (``log2 e`` is folded into the
   scale so the inner loop uses ``exp2``), rescale the running sum and the
   unnormalised output by ``exp2(m_old − m_new)``, divide by ``ℓ`` once, and
   write O and the log-sum-exp ``L = (m + log2 ℓ) · ln 2`` — **natural log**, float32;
 * backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32;
-* backward dK/dV, one program per (K block, batch·KV head): loop over the query
+* backward dK/dV, one program per (K block, KV head, batch): loop over the query
   heads of its GQA group and over the Q blocks that see it, recompute
   ``Pᵀ = exp2(S·log2 e − L·log2 e)``; ``dV += Pᵀ dO``,
   ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dP − D)``; it also writes dS itself
   as the gradient of an additive bias;
-* backward dQ, one program per (Q block, batch·head): ``dQ += scale · dS K``.
+* backward dQ, one program per (Q block, head, batch): ``dQ += scale · dS K``.
 
 Variants are constexpr switches, so the plain path compiles without them (the
 score pipeline and block ranges are in ``flashtile.scores``): sliding window and
@@ -38,7 +38,8 @@ corner (query ``i`` sees key ``j`` iff ``j ≤ i + seqlen_k − seqlen_q``), per
 sequence; a row that sees no key gets output 0 and log-sum-exp −inf. The
 log-sum-exp is (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
 Head dims 1..256 are padded inside to a power of two ≥ 16 (masked loads; the
-user never pads). float32 inputs use IEEE float32 dots.
+user never pads). float32 inputs use IEEE float32 dots. Grids are (blocks, heads,
+batch): batch and heads may each reach CUDA's 65535 on those axes.
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ def _attn_fwd_kernel(
 ):
     """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers."""
     i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // nheads_q
-    i_hq = i_bh % nheads_q
+    i_hq = tl.program_id(1)
+    i_b = tl.program_id(2)
+    i_bh = i_b * nheads_q + i_hq
     i_hk = i_hq // group_size
     q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
@@ -262,13 +263,12 @@ def _attn_bwd_preprocess_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh,
-    nheads_q, seqlen_q,
+    seqlen_q,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // nheads_q
-    i_h = i_bh % nheads_q
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
@@ -352,7 +352,7 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab,
-    nheads_q, nheads_k, group_size, seqlen_q, seqlen_k, sm_scale,
+    nheads_q, group_size, seqlen_q, seqlen_k, sm_scale,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -360,9 +360,8 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // nheads_k
-    i_hk = i_bh % nheads_k
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2)
     q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
     if i_n * BLOCK_N >= seqlen_k:
@@ -481,9 +480,9 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // nheads_q
-    i_hq = i_bh % nheads_q
+    i_hq = tl.program_id(1)
+    i_b = tl.program_id(2)
+    i_bh = i_b * nheads_q + i_hq
     i_hk = i_hq // group_size
     q_start, seqlen_q = _sequence_bounds(i_b, CuSeqlensQ, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = _sequence_bounds(i_b, CuSeqlensK, seqlen_k, IS_VARLEN)
@@ -784,7 +783,7 @@ def flash_attn_forward(q, k, v, softmax_scale: float, variant: Variant = PLAIN):
     if use_tma:
         tiles = (_descriptor(q, cfg["BLOCK_M"], block_d), _descriptor(k, cfg["BLOCK_N"], block_d),
                  _descriptor(v, cfg["BLOCK_N"], block_d), _descriptor(out, cfg["BLOCK_M"], block_d))
-    grid = (cdiv(seqlen_q, cfg["BLOCK_M"]), batch * nheads_q)
+    grid = (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch)
     _attn_fwd_kernel[grid](
         *tiles, lse, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *_lse_strides(lse),
@@ -811,9 +810,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
     pointers, strides, scalars, constexprs = _variant_args(variant, softmax_scale, q, shape)
 
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess_kernel[(cdiv(seqlen_q, 64), batch * nheads_q)](
+    _attn_bwd_preprocess_kernel[(cdiv(seqlen_q, 64), nheads_q, batch)](
         out, dout, delta, pointers["CuSeqlensQ"], *_strides4(out), *_strides4(dout), *_lse_strides(lse),
-        nheads_q, seqlen_q, IS_VARLEN=variant.is_varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
+        seqlen_q, IS_VARLEN=variant.is_varlen, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
     )
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
@@ -827,14 +826,14 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, variant: 
         # zeros: entries in blocks that the window skips are never written
         dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     common = dict(**constexprs, HEAD_DIM=head_dim, BLOCK_D=block_d)
-    _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), batch * nheads_k)](
+    _attn_bwd_dkdv_kernel[(cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch)](
         q, k, v, dout, lse, delta, dk, dv, dbias if dbias is not None else q, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dk), *_strides4(dv),
         *_lse_strides(lse), *strides.values(),
-        nheads_q, nheads_k, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
+        nheads_q, nheads_q // nheads_k, seqlen_q, seqlen_k, softmax_scale, *scalars.values(),
         BIAS_GRAD=bias_grad, **common, **dkdv_cfg,
     )
-    _attn_bwd_dq_kernel[(cdiv(seqlen_q, dq_cfg["BLOCK_M"]), batch * nheads_q)](
+    _attn_bwd_dq_kernel[(cdiv(seqlen_q, dq_cfg["BLOCK_M"]), nheads_q, batch)](
         q, k, v, dout, lse, delta, dq, *pointers.values(),
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout), *_strides4(dq),
         *_lse_strides(lse), *strides.values(),

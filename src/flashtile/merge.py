@@ -43,14 +43,13 @@ def _merge_states_kernel(
     stride_lp, stride_ln, stride_lh, stride_ls,
     stride_mn, stride_ms, stride_mh, stride_md,
     stride_Ln, stride_Lh, stride_Ls,
-    num_parts, nheads, seqlen,
+    num_parts, seqlen,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # one program per (block of seqlen rows, leading index n · head h)
+    # one program per (block of seqlen rows, head h, leading index n)
     i_s = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = (i_nh // nheads).to(tl.int64)
-    i_h = i_nh % nheads
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2).to(tl.int64)
 
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
@@ -93,11 +92,11 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
         return
     block_d = max(16, next_power_of_2(head_dim))
     block_s = min(16, next_power_of_2(seqlen))
-    grid = (cdiv(seqlen, block_s), n * nheads)
+    grid = (cdiv(seqlen, block_s), nheads, n)
     _merge_states_kernel[grid](
         outs, lses, out, lse,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        num_parts, nheads, seqlen,
+        num_parts, seqlen,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
     )
 
