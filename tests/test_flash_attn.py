@@ -217,3 +217,18 @@ def test_launcher_integer_math_matches_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for block in (1, 16, 64, 128, 176):
             assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_gpu_that_is_not_the_current_one():
+    # Triton launches on the current device; a model spread over GPUs calls with cuda:0 current
+    q, k, v, do = make_inputs(2, 97, 130, 4, 2, 64, torch.bfloat16, seed=21)
+    out0 = flashtile.flash_attn_func(q, k, v, causal=True)
+    grads0 = torch.autograd.grad(out0, (q, k, v), do)
+    q1, k1, v1 = (t.detach().to("cuda:1").requires_grad_() for t in (q, k, v))
+    with torch.cuda.device(0):
+        out1 = flashtile.flash_attn_func(q1, k1, v1, causal=True)
+        grads1 = torch.autograd.grad(out1, (q1, k1, v1), do.to("cuda:1"))
+    assert out1.device == torch.device("cuda:1")
+    for a, b in zip((out0, *grads0), (out1, *grads1)):
+        assert torch.equal(a.cpu(), b.cpu())

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, launch_device, next_power_of_2
 from .interface import _FLOAT_DTYPES, MAX_HEAD_DIM
 from .kernels import LOG2E, _block_d, _dot_precision  # importing kernels also patches the interpreter's bf16 dot
 from .merge import merge_states_into
@@ -519,8 +519,9 @@ def flash_attn_with_kvcache(
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((batch, q.shape[2], seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     elif uses_triton(q):
-        out, lse = kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                             scale, bool(causal), window_size, softcap, alibi_slopes, num_splits)
+        with launch_device(q):
+            out, lse = kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                                                 scale, bool(causal), window_size, softcap, alibi_slopes, num_splits)
     else:
         out, lse = kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                scale, bool(causal), window_size, softcap, alibi_slopes,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, launch_device, next_power_of_2
 from .ops import uses_triton
 
 __all__ = ["merge_attention_states", "merge_split_attention_states"]
@@ -144,10 +144,11 @@ def merge_split_attention_states(outs: torch.Tensor, lses: torch.Tensor):
     lead = outs.shape[1:-3]
     out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
     lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
-    merge_states_into(
-        outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
-        out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
-    )
+    with launch_device(outs):
+        merge_states_into(
+            outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
+            out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
+        )
     return out.view(*lead, seqlen, nheads, head_dim), lse.view(*lead, nheads, seqlen)
 
 

@@ -35,6 +35,7 @@ import os
 import torch
 
 from . import reference
+from ._host import launch_device
 
 __all__ = ["attention_forward", "attention_backward", "uses_triton"]
 
@@ -90,7 +91,8 @@ def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slope
 
         variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        return flash_attn_forward(q, k, v, softmax_scale, variant)
+        with launch_device(q):
+            return flash_attn_forward(q, k, v, softmax_scale, variant)
     options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
                                  dropout_seed)
     if cu_seqlens_q is not None:
@@ -120,7 +122,8 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window
 
         variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        *_, dbias = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, variant, dq, dk, dv, bias_grad)
+        with launch_device(q):
+            *_, dbias = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, variant, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
     options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
                                  dropout_seed)
