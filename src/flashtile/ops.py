@@ -10,8 +10,8 @@ functions can hand it the slices of one packed gradient.
 They are defined with explicit schemas and one CompositeExplicitAutograd kernel each
 (``torch.library.Library``), not with ``torch.library.custom_op``, which wraps every
 call in a Python autograd kernel and a Dynamo guard and, for the mutating backward,
-re-reads the schema's defaults: a forward+backward's host time fell from ~445 to
-~180 µs on a CPU core without them (benchmarks/NOTES.md, "Host overhead"). Autograd
+re-reads the schema's defaults: a forward+backward's host time fell from ~390 to
+~220 µs on a CPU core without them (benchmarks/NOTES.md, "Host overhead"). Autograd
 is ``flashtile.autograd``'s single Function; the operators have no autograd kernel (an
 autograd kernel in Python would cost ~4 µs a call), so ``attention_forward`` and
 ``attention_backward`` below refuse inputs that need grad rather than let PyTorch's
