@@ -105,7 +105,7 @@ def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slope
 
 
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
-      dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+              dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, k, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -143,7 +143,7 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+              attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return torch.empty_like(attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
 
 
