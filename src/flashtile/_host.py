@@ -7,6 +7,7 @@ here give the same values on Python ints.
 """
 
 import contextlib
+import functools
 
 import torch
 
@@ -18,6 +19,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ≥ n, for n ≥ 1."""
     return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def cuda_properties(device: torch.device):
+    """The GPU's properties (capability, SM count), asked for once per device: launchers consult them
+    on every call."""
+    return torch.cuda.get_device_properties(device)
 
 
 def launch_device(t: torch.Tensor):

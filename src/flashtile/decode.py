@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._host import cdiv, launch_device, next_power_of_2
+from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
 from .interface import _FLOAT_DTYPES, MAX_HEAD_DIM
 from .kernels import LOG2E, _block_d, _dot_precision  # importing kernels also patches the interpreter's bf16 dot
 from .merge import merge_states_into
@@ -199,10 +199,9 @@ def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, m
     return next(s for s in range(1, max_splits + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return cuda_properties(device).multi_processor_count
     return 1  # the interpreter runs one program at a time
 
 

@@ -44,7 +44,6 @@ batch): batch and heads may each reach CUDA's 65535 on those axes.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import hopper
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, cuda_properties, next_power_of_2
 from .scores import (
     _dropout_keep,
     _key_range,
@@ -671,20 +670,18 @@ def _tma_usable(variant: Variant, seqlen_q: int, seqlen_k: int, *tensors: torch.
         return False
     device = tensors[0].device
     if device.type == "cuda":
-        if _capability(device)[0] < 9:
+        if cuda_properties(device).major < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return False
     return _descriptor_compatible(*tensors)
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and _capability(device) == (9, 0)
+    if device.type != "cuda":
+        return False
+    properties = cuda_properties(device)
+    return (properties.major, properties.minor) == (9, 0)
 
 
 def _gluon_usable(variant: Variant, softmax_scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
