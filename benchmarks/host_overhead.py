@@ -11,7 +11,10 @@ kernel takes a few µs. This times the host side alone, per call, median of ``--
   is everything above the launch: validation, the autograd Function, the operator dispatch and the
   launchers' choice of kernel and config. Triton's own launch path is not in this figure.
 
-    PYTHONPATH=src python3 benchmarks/host_overhead.py [--out host.json]
+    PYTHONPATH=src python3 benchmarks/host_overhead.py [--layers] [--out host.json]
+
+``--layers`` (GPU) also times each layer of the same calls on its own, from the bare Triton launch of
+an empty kernel up to the public function, to show which layer the host time is spent in.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path, with its launches made no-ops
 
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
 import flashtile  # noqa: E402
 from flashtile import decode, kernels, merge  # noqa: E402
@@ -60,6 +64,37 @@ def _per_call_us(fn, calls: int, repeats: int, sync) -> float:
         sync()
         rounds.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(rounds)
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+def _layers(device: str):
+    """(name, call) for each layer of the forward and backward on the tiny shape, bottom up."""
+    dtype, scale = torch.bfloat16, 0.125
+    q, k, v, dout = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype) for _ in range(4))
+    causal = kernels.Variant(window=(-1, 0))
+    out, lse = kernels.flash_attn_forward(q, k, v, scale, causal)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    ops = torch.ops.flashtile
+
+    def attention_layer():
+        with torch.no_grad():
+            flashtile.flash_attn_func(q, k, v, causal=True)
+
+    return [("an empty Triton kernel", lambda: _empty_kernel[(1,)](q)),
+            ("forward launcher", lambda: kernels.flash_attn_forward(q, k, v, scale, causal)),
+            ("forward operator", lambda: ops.fwd(q, k, v, scale, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)),
+            ("forward, public function", attention_layer),
+            ("backward launcher (3 kernels)",
+             lambda: kernels.flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)),
+            ("backward operator", lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, -1, 0, 0.0, None, None,
+                                                  False, 0.0, None, None, None, 0, 0)),
+            ("backward through autograd", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True))]
 
 
 def _cases(device: str):
@@ -109,6 +144,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--layers", action="store_true", help="also time each layer on its own (GPU)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,6 +161,11 @@ def main(argv=None):
         records.append(record)
         peer_text = f"   SDPA {record['sdpa_us']:7.1f}" if "sdpa_us" in record else ""
         print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}{peer_text}")
+    if args.layers and device == "cuda":
+        print("each layer on its own")
+        for name, call in _layers(device):
+            records.append(dict(case=name, flashtile_us=_per_call_us(call, args.calls, args.repeats, sync)))
+            print(f"  {name:34s} flashtile {records[-1]['flashtile_us']:7.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment=environment(device), records=records), f, indent=1)

@@ -2,8 +2,10 @@
 for Nsight Compute to read the hardware counters of each kernel: the profiles behind NOTES.md's
 explanation of the bar rows still short.
 
-    ncu --clock-control none --profile-from-start off --set detailed --csv --page raw \
-        python3 benchmarks/profile_rows.py [--cases d128-16384,d64c-2048] > rows.csv
+    ncu --clock-control none --profile-from-start off --set detailed -o rows \
+        python3 benchmarks/profile_rows.py [--cases d128-16384,d64c-2048]
+    ncu -i rows.ncu-rep --csv --page raw > rows_raw.csv
+    python3 benchmarks/profile_rows.py --summarise rows_raw.csv [--cases ...]   # the table in NOTES.md
 
 A case is ``d<head dim>[c]-<seqlen>`` (``c``: causal) on the standard shapes: bf16,
 batch·seqlen = 16384, nheads·head dim = 2048. Everything before the range (allocation, compilation,
@@ -13,6 +15,7 @@ warm-up calls) is left out of the profile.
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 
 import torch
@@ -24,15 +27,69 @@ from flashtile import flash_attn_func
 DEFAULT_CASES = "d128-16384,d128c-16384,d64-16384,d64c-16384,d128c-1024,d64-1024,d64c-2048"
 
 
+# (column, Nsight Compute metric); percentages are of the peak sustained over the kernel's duration
+SUMMARY_METRICS = (
+    ("ms", "gpu__time_duration.sum"),
+    ("SM GHz", "sm__cycles_elapsed.avg.per_second"),
+    ("tensor pipe %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"),
+    ("issue %", "sm__issue_active.avg.pct_of_peak_sustained_elapsed"),
+    ("XU (exp2) %", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM read %", "dram__bytes_read.sum.pct_of_peak_sustained_elapsed"),
+    ("L2 hit %", "lts__t_sector_hit_rate.pct"),
+    ("registers", "launch__registers_per_thread"),
+    ("spill instr. (M)", "sass__inst_executed_register_spilling"),
+    ("instr. (M)", "smsp__inst_executed.sum"),
+)
+STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
+
+
 def parse_case(case: str) -> tuple[int, bool, int]:
     dims, seqlen = case.split("-")
     return int(dims[1:].rstrip("c")), dims.endswith("c"), int(seqlen)
 
 
+def _number(text: str) -> float:
+    return float(text.replace(",", "") or 0)
+
+
+def summarise(raw_csv: str, cases: list[str]) -> None:
+    """A markdown table of ``SUMMARY_METRICS`` and the three commonest stall reasons per kernel, the
+    kernels grouped by case: each case's flashtile kernels come first, then cuDNN's."""
+    with open(raw_csv) as f:
+        header, _units, *rows = csv.reader(f)
+    column = {name: i for i, name in enumerate(header)}
+    stalls = [name for name in header if name.startswith(STALL_PREFIX) and not name.endswith("_not_issued")]
+    print("| case | kernel | " + " | ".join(name for name, _ in SUMMARY_METRICS) + " | top stall reasons |")
+    print("| --- " * (len(SUMMARY_METRICS) + 3) + "|")
+    case_index, previous_was_cudnn = 0, False
+    for row in rows:
+        kernel = row[column["Kernel Name"]]
+        if kernel.startswith("void at::"):  # PyTorch's own (fills), not attention
+            continue
+        is_cudnn = "cudnn" in kernel
+        if previous_was_cudnn and not is_cudnn:
+            case_index += 1
+        previous_was_cudnn = is_cudnn
+        values = []
+        for name, metric in SUMMARY_METRICS:
+            value = _number(row[column[metric]])
+            values.append(f"{value / 1e6:.3g}" if "(M)" in name else f"{value:.3g}")
+        samples = {name.removeprefix(STALL_PREFIX): _number(row[column[name]]) for name in stalls}
+        total = sum(samples.values()) or 1
+        top = sorted(samples.items(), key=lambda item: -item[1])[:3]
+        short_name = kernel.split("(")[0].removeprefix("void ")[:48]
+        print(f"| {cases[case_index]} | {short_name} | " + " | ".join(values) + " | "
+              + ", ".join(f"{reason} {count / total:.0%}" for reason, count in top) + " |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=DEFAULT_CASES)
+    parser.add_argument("--summarise", metavar="RAW_CSV", help="print the table of an exported profile instead")
     args = parser.parse_args(argv)
+    if args.summarise:
+        summarise(args.summarise, args.cases.split(","))
+        return
     for case in args.cases.split(","):
         head_dim, causal, seqlen = parse_case(case)
         batch, nheads = max(1, 16384 // seqlen), 2048 // head_dim
@@ -44,12 +101,14 @@ def main(argv=None):
         doutt = dout.transpose(1, 2)
         scale = 1 / math.sqrt(head_dim)
 
-        def flashtile_step():
-            flash_attn_func(q, k, v, softmax_scale=scale, causal=causal).backward(dout)
+        # autograd.grad: backward() would add three gradient accumulations to the profile
+        def flashtile_step(q=q, k=k, v=v, dout=dout, scale=scale, causal=causal):
+            torch.autograd.grad(flash_attn_func(q, k, v, softmax_scale=scale, causal=causal), (q, k, v), dout)
 
-        def cudnn_step():
+        def cudnn_step(q=qt, k=kt, v=vt, dout=doutt, scale=scale, causal=causal):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(qt, kt, vt, scale=scale, is_causal=causal).backward(doutt)
+                out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+            torch.autograd.grad(out, (q, k, v), dout)
 
         for step in (flashtile_step, cudnn_step):
             for _ in range(3):  # compile and warm up outside the profiled range

@@ -1,7 +1,9 @@
 """Forward with descriptor (TMA) loads against pointer loads at each seqlen, in one run: the data
 for ``kernels.TMA_MIN_SEQLEN`` (benchmarks/NOTES.md, v0.4).
 
-Each load path runs with its own configs (the launcher picks them). The standard shapes: bf16,
+Each load path runs with its own configs (the launcher picks them). The Triton forward is timed
+throughout: the Gluon forward, which the launcher would take at head dim 128 and at 64 from
+``kernels.GLUON_MIN_SEQLEN``, is switched off for the run. The standard shapes: bf16,
 batch·seqlen = 16384, nheads·headdim = 2048; launchers alone; do_bench medians.
 
     PYTHONPATH=src python3 benchmarks/tma_threshold.py [--seqlens 512,1024,...] [--out tma.json]
@@ -30,6 +32,7 @@ def main(argv=None):
     parser.add_argument("--out", help="write every measurement as JSON here")
     args = parser.parse_args(argv)
     default = kernels.TMA_MIN_SEQLEN
+    kernels.GLUON_MIN_SEQLEN = {}  # the Triton kernel at every shape: its two load paths are what is compared
     records = []
     for head_dim in (int(d) for d in args.headdims.split(",")):
         for causal in (False, True):
