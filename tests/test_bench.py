@@ -8,11 +8,13 @@ launch, ~18 launches per measurement): tiny shapes, few of them, and timing budg
 import contextlib
 import io
 import json
+import types
 
 import pytest
+import torch
 
 from flashtile.__main__ import main
-from flashtile.bench import Shape, forward_flops
+from flashtile.bench import Shape, forward_flops, gpu_state
 
 TINY = ["--batch", "1", "--nheads", "2", "--headdims", "16", "--warmup", "0", "--rep", "0"]
 
@@ -107,3 +109,31 @@ def test_bad_arguments_are_refused(capsys):
         main(["bench", "--nheads", "6", "--nheads-k", "4"])
     assert "--nheads (6) must be a multiple of --nheads-k (4)" in capsys.readouterr().err
 
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A GPU whose uuid is ``abc`` and an ``nvidia-smi`` on PATH that answers for it with ``tmp_path/answer``
+    (and logs its arguments to ``tmp_path/args``) → ``tmp_path``."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="abc"))
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\ncat "$(dirname "$0")/answer"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    return tmp_path
+
+
+def test_gpu_state_reads_clocks_power_and_throttle_reasons(fake_gpu):
+    (fake_gpu / "answer").write_text("1755, 512.34, 61, 0x0000000000000004\n")
+    assert gpu_state(0) == {"sm_clock_mhz": 1755.0, "power_w": 512.34, "temperature_c": 61.0,
+                            "throttle_reasons": "0x0000000000000004"}
+    assert "--id=GPU-abc" in (fake_gpu / "args").read_text()
+    (fake_gpu / "answer").write_text("1755, [N/A], 61, 0x0\n")
+    assert gpu_state(0)["power_w"] is None
+
+
+def test_gpu_state_is_none_without_an_answer(fake_gpu, monkeypatch):
+    (fake_gpu / "answer").write_text("No devices were found\n")
+    assert gpu_state(0) is None
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert gpu_state(0) is None

@@ -403,6 +403,8 @@ def _measure(provider, shape, inputs, check, flashtile_out, timer, modes, device
             result["fwd_ms"] = timer(forward)
         if "fwd_bwd" in modes or "bwd" in modes:
             result["fwd_bwd_ms"] = timer(forward_backward)
+        if device == "cuda":
+            result["gpu_state_after"] = gpu_state(torch.cuda.current_device())
     result["output"] = out
     flops = forward_flops(shape)
     for mode, factor in (("fwd", 1.0), ("fwd_bwd", 1.0 + BWD_FLOPS_FACTOR)):
@@ -460,6 +462,33 @@ def _nvidia_driver():
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+# What nvidia-smi says of the GPU right after a timing: two runs of one kernel on one machine read up to
+# 14% apart, and the runs recorded no clocks to tell why (benchmarks/NOTES.md, fifth session).
+GPU_STATE_QUERY = {"sm_clock_mhz": "clocks.sm", "power_w": "power.draw", "temperature_c": "temperature.gpu",
+                   "throttle_reasons": "clocks_event_reasons.active"}
+
+
+def gpu_state(device_index: int):
+    """{sm_clock_mhz, power_w, temperature_c, throttle_reasons} of CUDA device ``device_index`` by
+    nvidia-smi (the reasons as its bit mask, e.g. 0x4 = power cap), or None where it cannot tell."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+        done = subprocess.run(["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=" + ",".join(GPU_STATE_QUERY.values()),
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError):
+        return None
+    fields = [field.strip() for field in done.stdout.strip().split(",")]
+    if done.returncode != 0 or len(fields) != len(GPU_STATE_QUERY):
+        return None
+    state = {}
+    for key, text in zip(GPU_STATE_QUERY, fields):
+        try:
+            state[key] = text if key == "throttle_reasons" else float(text)
+        except ValueError:  # "[N/A]"
+            state[key] = None
+    return state
 
 
 def environment(device: str) -> dict:
