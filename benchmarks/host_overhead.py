@@ -71,25 +71,30 @@ def _empty_kernel(x):
     pass
 
 
+def _tiny_inputs(device: str):
+    """q, k, v, dout: bf16, batch 1, seqlen 128, 8 heads, head dim 64 (kernels of a few µs)."""
+    return [torch.randn(1, 128, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(4)]
+
+
+def _inference(q, k, v):
+    with torch.no_grad():
+        flashtile.flash_attn_func(q, k, v, causal=True)
+
+
 def _layers(device: str):
     """(name, call) for each layer of the forward and backward on the tiny shape, bottom up."""
-    dtype, scale = torch.bfloat16, 0.125
-    q, k, v, dout = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype) for _ in range(4))
+    scale = 0.125
+    q, k, v, dout = _tiny_inputs(device)
     causal = kernels.Variant(window=(-1, 0))
     out, lse = kernels.flash_attn_forward(q, k, v, scale, causal)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
     ops = torch.ops.flashtile
-
-    def attention_layer():
-        with torch.no_grad():
-            flashtile.flash_attn_func(q, k, v, causal=True)
-
     return [("an empty Triton kernel", lambda: _empty_kernel[(1,)](q)),
             ("forward launcher", lambda: kernels.flash_attn_forward(q, k, v, scale, causal)),
             ("forward operator", lambda: ops.fwd(q, k, v, scale, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)),
-            ("forward, public function", attention_layer),
+            ("forward, public function", lambda: _inference(q, k, v)),
             ("backward launcher (3 kernels)",
              lambda: kernels.flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)),
             ("backward operator", lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, -1, 0, 0.0, None, None,
@@ -98,21 +103,16 @@ def _layers(device: str):
 
 
 def _cases(device: str):
-    """(name, flashtile call, SDPA call or None) on tiny bf16 shapes: batch 1, 8 heads, head dim 64."""
+    """(name, flashtile call, SDPA call or None) on the tiny shape, and a decoding step."""
     dtype = torch.bfloat16
-    q, k, v = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype) for _ in range(3))
+    q, k, v, dout = _tiny_inputs(device)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    dout = torch.randn_like(q)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (batch, heads, seqlen, dim)
     qtg, ktg, vtg = (t.clone().requires_grad_() for t in (qt, kt, vt))
     doutt = dout.transpose(1, 2)
     k_cache, v_cache = (torch.randn(4, 1024, 8, 64, device=device, dtype=dtype) for _ in range(2))
     q_step = torch.randn(4, 1, 8, 64, device=device, dtype=dtype)
     cache_seqlens = torch.full((4,), 1000, dtype=torch.int32, device=device)
-
-    def inference():
-        with torch.no_grad():
-            flashtile.flash_attn_func(q, k, v, causal=True)
 
     def sdpa_inference():
         with torch.no_grad():
@@ -134,7 +134,7 @@ def _cases(device: str):
     def decoding():
         flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
 
-    return [("forward (no grad)", inference, sdpa_inference),
+    return [("forward (no grad)", lambda: _inference(q, k, v), sdpa_inference),
             ("forward, inputs need grad", recording, sdpa_recording),
             ("forward + backward", training, sdpa_training),
             ("decode step (kv cache 4 x 1024)", decoding, None)]

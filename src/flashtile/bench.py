@@ -455,13 +455,19 @@ def _distribution_version(name: str):
         return None
 
 
-def _nvidia_driver():
+def _nvidia_smi(*args: str):
+    """nvidia-smi's output lines for ``args``, or None where it is missing or fails."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+    lines = done.stdout.strip().splitlines()
+    return lines if done.returncode == 0 and lines else None
+
+
+def _nvidia_driver():
+    lines = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    return lines[0].strip() if lines else None
 
 
 # What nvidia-smi says of the GPU right after a timing: two runs of one kernel on one machine read up to
@@ -475,12 +481,12 @@ def gpu_state(device_index: int):
     nvidia-smi (the reasons as its bit mask, e.g. 0x4 = power cap), or None where it cannot tell."""
     try:
         uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-        done = subprocess.run(["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=" + ",".join(GPU_STATE_QUERY.values()),
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError):
         return None
-    fields = [field.strip() for field in done.stdout.strip().split(",")]
-    if done.returncode != 0 or len(fields) != len(GPU_STATE_QUERY):
+    lines = _nvidia_smi(f"--id=GPU-{uuid}", "--query-gpu=" + ",".join(GPU_STATE_QUERY.values()),
+                        "--format=csv,noheader,nounits")
+    fields = [field.strip() for field in lines[0].split(",")] if lines else []
+    if len(fields) != len(GPU_STATE_QUERY):
         return None
     state = {}
     for key, text in zip(GPU_STATE_QUERY, fields):
