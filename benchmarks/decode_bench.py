@@ -32,8 +32,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
-from flashtile.decode import flash_attn_with_kvcache, kvcache_attention_forward, split_plan
-from flashtile.kernels import _block_d
+from flashtile._options import AttentionOptions
+from flashtile.decode import flash_attn_with_kvcache
+from flashtile.triton import configs
+from flashtile.triton.launch import kvcache_attention_forward, split_plan
 
 NHEADS, NHEADS_K, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 MAX_KV_BYTES = 40e9
@@ -71,7 +73,7 @@ def make_cache(batch, capacity):
 
 
 def heuristic_splits(batch, capacity) -> int:
-    return split_plan(batch, 1, NHEADS // NHEADS_K, NHEADS_K, _block_d(HEAD_DIM), DTYPE, capacity,
+    return split_plan(batch, 1, NHEADS // NHEADS_K, NHEADS_K, configs.block_d(HEAD_DIM), DTYPE, capacity,
                       torch.device("cuda"))[2]
 
 
@@ -180,8 +182,8 @@ def tuning(copy_bw):
                     config = dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
                     for splits in sorted({1, default, 2 * default, max(1, default // 2)}):
                         def run(config=config, splits=splits):
-                            return kvcache_attention_forward(q, k_cache, v_cache, seqlens, None, None, scale,
-                                                             False, num_splits=splits, config=config)
+                            return kvcache_attention_forward(q, k_cache, v_cache, seqlens, None, None,
+                                                             AttentionOptions(scale), num_splits=splits, config=config)
                         try:
                             results.append((bench_ms(run), block_n, num_warps, num_stages, splits))
                         except OutOfResources:

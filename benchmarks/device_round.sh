@@ -5,9 +5,13 @@
 #   bash benchmarks/device_round.sh timings   the descriptor-vs-pointer forward per seqlen, the host time per
 #                                             call against SDPA's, the standard sweep with SDPA flash, cuDNN
 #                                             and FlexAttention, and head dims 192/256 against SDPA flash
+#   bash benchmarks/device_round.sh before-after DIR   a short sweep (flashtile and cuDNN, seqlen 2048 and 8192)
+#                                             and the host time per call of DIR's tree (another checkout, e.g.
+#                                             `git archive REV | tar -x -C DIR`) and of this one, interleaved
+#                                             in one run, then `bench --compare` of the two
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
-if [ "$1" != tests ] && [ "$1" != timings ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|timings" >&2
+if [ "$1" != tests ] && [ "$1" != timings ] && [ "$1" != before-after ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|timings|before-after DIR" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -15,6 +19,20 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline | head -1
 if [ "$1" = tests ]; then
   timeout 560 python3 -m pytest -q -n 14 tests > $OUT/pytest.log 2>&1; tail -3 $OUT/pytest.log
+  exit
+fi
+if [ "$1" = before-after ]; then
+  for round in 1 2; do
+    for tree in "$2" .; do
+      name=$([ "$tree" = . ] && echo after || echo before)
+      (cd "$tree" && PYTHONPATH=src timeout 60 python3 benchmarks/host_overhead.py --layers) > $OUT/host_$name$round.log 2>&1
+      PYTHONPATH=$tree/src timeout 150 python3 -m flashtile bench --providers flashtile,sdpa_cudnn --seqlens 2048,8192 \
+        --rep 50 --out-dir $OUT/$name$round > $OUT/$name$round.log 2>&1
+    done
+  done
+  for round in 1 2; do python3 -m flashtile bench --compare $OUT/before$round/bench.json $OUT/after$round/bench.json; done
+  (cd $OUT && rm -f */*.png */bench.txt)
+  grep -hE "per call|µs" $OUT/host_*.log | head -40
   exit
 fi
 timeout 80 python3 benchmarks/tma_threshold.py > $OUT/tma_threshold.log 2>&1; cat $OUT/tma_threshold.log

@@ -34,22 +34,27 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import flashtile  # noqa: E402
-from flashtile import decode, kernels, merge  # noqa: E402
-from flashtile.bench import environment  # noqa: E402
+from flashtile._options import AttentionOptions, AttentionTensors  # noqa: E402
+from flashtile.triton import launch  # noqa: E402
+from flashtile.cli.bench import environment  # noqa: E402
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing; it keeps the kernel's
+    parameter names, by which the launcher orders the arguments."""
+
+    def __init__(self, kernel):
+        self.fn, self.arg_names = kernel.fn, kernel.arg_names
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
 
 def _disable_launches():
-    for module in (kernels, decode, merge):
+    for module in (launch,):  # the one module that launches kernels
         for name, obj in list(vars(module).items()):
             if type(obj).__module__.startswith("triton.runtime") and hasattr(obj, "fn"):
-                setattr(module, name, _NoLaunch())
+                setattr(module, name, _NoLaunch(obj))
 
 
 def _per_call_us(fn, calls: int, repeats: int, sync) -> float:
@@ -85,20 +90,19 @@ def _layers(device: str):
     """(name, call) for each layer of the forward and backward on the tiny shape, bottom up."""
     scale = 0.125
     q, k, v, dout = _tiny_inputs(device)
-    causal = kernels.Variant(window=(-1, 0))
-    out, lse = kernels.flash_attn_forward(q, k, v, scale, causal)
+    causal, plain = AttentionOptions(scale, window_right=0), AttentionTensors()
+    out, lse = launch.attention_forward(q, k, v, causal, plain)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
     ops = torch.ops.flashtile
     return [("an empty Triton kernel", lambda: _empty_kernel[(1,)](q)),
-            ("forward launcher", lambda: kernels.flash_attn_forward(q, k, v, scale, causal)),
-            ("forward operator", lambda: ops.fwd(q, k, v, scale, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)),
+            ("forward launcher", lambda: launch.attention_forward(q, k, v, causal, plain)),
+            ("forward operator", lambda: ops.fwd(q, k, v, *plain, *causal)),
             ("forward, public function", lambda: _inference(q, k, v)),
             ("backward launcher (3 kernels)",
-             lambda: kernels.flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq, dk, dv)),
-            ("backward operator", lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, scale, -1, 0, 0.0, None, None,
-                                                  False, 0.0, None, None, None, 0, 0)),
+             lambda: launch.attention_backward(dout, q, k, v, out, lse, causal, plain, dq, dk, dv)),
+            ("backward operator", lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, False, *plain, *causal)),
             ("backward through autograd", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True))]
 
 

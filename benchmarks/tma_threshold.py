@@ -1,9 +1,9 @@
 """Forward with descriptor (TMA) loads against pointer loads at each seqlen, in one run: the data
-for ``kernels.TMA_MIN_SEQLEN`` (benchmarks/NOTES.md, v0.4).
+for ``flashtile.triton.configs.TMA_MIN_SEQLEN`` (benchmarks/NOTES.md, v0.4).
 
 Each load path runs with its own configs (the launcher picks them). The Triton forward is timed
 throughout: the Gluon forward, which the launcher would take at head dim 128 and at 64 from
-``kernels.GLUON_MIN_SEQLEN``, is switched off for the run. The standard shapes: bf16,
+``configs.GLUON_MIN_SEQLEN``, is switched off for the run. The standard shapes: bf16,
 batch·seqlen = 16384, nheads·headdim = 2048; launchers alone; do_bench medians.
 
     PYTHONPATH=src python3 benchmarks/tma_threshold.py [--seqlens 512,1024,...] [--out tma.json]
@@ -18,8 +18,9 @@ import math
 import torch
 import triton
 
-from flashtile import kernels
-from flashtile.bench import environment
+from flashtile._options import AttentionOptions, AttentionTensors
+from flashtile.triton import configs, launch
+from flashtile.cli.bench import environment
 
 ALWAYS, NEVER = 1, 1 << 62  # TMA_MIN_SEQLEN values that force each path
 
@@ -31,8 +32,8 @@ def main(argv=None):
     parser.add_argument("--rep", type=int, default=50)
     parser.add_argument("--out", help="write every measurement as JSON here")
     args = parser.parse_args(argv)
-    default = kernels.TMA_MIN_SEQLEN
-    kernels.GLUON_MIN_SEQLEN = {}  # the Triton kernel at every shape: its two load paths are what is compared
+    default = configs.TMA_MIN_SEQLEN
+    configs.GLUON_MIN_SEQLEN = {}  # the Triton kernel at every shape: its two load paths are what is compared
     records = []
     for head_dim in (int(d) for d in args.headdims.split(",")):
         for causal in (False, True):
@@ -42,16 +43,16 @@ def main(argv=None):
                 q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-                variant = kernels.Variant(window=(-1, 0 if causal else -1))
+                options = AttentionOptions(1 / math.sqrt(head_dim), window_right=0 if causal else -1)
                 tflops = {}
                 for path, threshold in (("pointers", NEVER), ("descriptors", ALWAYS)):
-                    kernels.TMA_MIN_SEQLEN = threshold
+                    configs.TMA_MIN_SEQLEN = threshold
                     try:
                         ms = triton.testing.do_bench(
-                            lambda: kernels.flash_attn_forward(q, k, v, 1 / math.sqrt(head_dim), variant),
+                            lambda: launch.attention_forward(q, k, v, options, AttentionTensors()),
                             rep=args.rep, return_mode="median")
                     finally:
-                        kernels.TMA_MIN_SEQLEN = default
+                        configs.TMA_MIN_SEQLEN = default
                     tflops[path] = flops / ms / 1e9
                     records.append(dict(head_dim=head_dim, causal=causal, seqlen=seqlen, path=path, ms=ms,
                                         tflops=tflops[path]))

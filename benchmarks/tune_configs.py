@@ -4,17 +4,16 @@ For each case (bf16, batch·seqlen = 16384, nheads·headdim = 2048, as the stand
 forward launcher and the backward launcher alone (``triton.testing.do_bench`` medians) for each
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages), with the launchers' config tables patched, and
 prints TFLOP/s per candidate with the current default marked (for the two backward kernels, the
-time of the whole backward with the other kernel at its default). ``--baseline DIR`` also times the
-kernels.py found in DIR (an older version) through its own launchers, for a before/after in one run.
+time of the whole backward with the other kernel at its default).
+(A before/after of two trees is ``flashtile bench --compare``.)
 
-    python benchmarks/tune_configs.py --seqlen 8192 --out tune.json [--baseline .baseline] [--defaults-only]
+    python benchmarks/tune_configs.py --seqlen 8192 --out tune.json [--defaults-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -22,8 +21,9 @@ import multiprocessing
 import torch
 import triton
 
-from flashtile import kernels
-from flashtile.bench import environment
+from flashtile._options import AttentionOptions, AttentionTensors
+from flashtile.triton import configs, launch
+from flashtile.cli.bench import environment
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates by head-dim class: tiles wider than 128
 # need smaller blocks and fewer stages to fit in shared memory. The backward's two kernels are
@@ -64,59 +64,56 @@ def _time(fn, warmup, rep):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def _load_baseline(directory):
-    spec = importlib.util.spec_from_file_location("baseline_kernels", f"{directory}/kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _sweeps(head_dim, causal, seqlen, defaults_only):
     """(mode, candidate, is_default, config patch) for every launch to time in one case."""
-    block_d = kernels._block_d(head_dim)
-    size = 128 if block_d <= 128 else 256
-    tma = seqlen >= kernels.TMA_MIN_SEQLEN  # the standard shapes are unpacked, aligned, Nq = Nk
-    fwd = tuple(kernels._fwd_config(block_d, torch.bfloat16, causal, tma=tma).values())
-    dkdv, dq = (tuple(c.values()) for c in kernels._bwd_configs(block_d, torch.bfloat16, causal))
+    padded = configs.block_d(head_dim)
+    size = 128 if padded <= 128 else 256
+    tma = seqlen >= configs.TMA_MIN_SEQLEN  # the standard shapes are unpacked, aligned, Nq = Nk
+    fwd = tuple(configs.fwd_config(padded, torch.bfloat16, causal, tma=tma).values())
+    dkdv, dq = (tuple(c.values()) for c in configs.bwd_configs(padded, torch.bfloat16))
     plans = (
-        ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("_fwd_config", _config(c))),
-        ("dkdv", dkdv, DKDV_CANDIDATES[size], lambda c: ("_bwd_configs", (_config(c), _config(dq)))),
-        ("dq", dq, DQ_CANDIDATES[size], lambda c: ("_bwd_configs", (_config(dkdv), _config(c)))),
+        ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("fwd_config", _config(c))),
+        ("dkdv", dkdv, DKDV_CANDIDATES[size], lambda c: ("bwd_configs", (_config(c), _config(dq)))),
+        ("dq", dq, DQ_CANDIDATES[size], lambda c: ("bwd_configs", (_config(dkdv), _config(c)))),
     )
     for mode, current, candidates, patch in plans:
         for cand in [current] if defaults_only else [current] + [c for c in candidates if c != current]:
             yield mode, cand, cand == current, patch(cand)
 
 
-def _launch(mode, patch, q, k, v, do, out, lse, scale, variant):
+def _launch(mode, patch, q, k, v, do, out, lse, options):
     """A function running one launcher with its config table patched to one candidate."""
     name, cfg = patch
+    grads = [torch.empty_like(t) for t in (q, k, v)]
 
     def run():
-        default = getattr(kernels, name)
-        setattr(kernels, name, lambda *_: cfg)
+        default = getattr(configs, name)
+        setattr(configs, name, lambda *_, **__: cfg)
         try:
             if mode == "fwd":
-                kernels.flash_attn_forward(q, k, v, scale, variant)
+                launch.attention_forward(q, k, v, options, AttentionTensors())
             else:
-                kernels.flash_attn_backward(do, q, k, v, out, lse, scale, variant)
+                launch.attention_backward(do, q, k, v, out, lse, options, AttentionTensors(), *grads)
         finally:
-            setattr(kernels, name, default)
+            setattr(configs, name, default)
 
     return run
+
+
+def _options(head_dim, causal):
+    return AttentionOptions(1 / math.sqrt(head_dim), window_right=0 if causal else -1)
 
 
 def _compile_case(head_dim, causal, seqlen, defaults_only):
     """Compile every candidate of one case at a short seqlen (the same specialisation as the timed
     shape), so that the timing pass finds them in Triton's cache; run in worker processes."""
     # the forward's load path depends on the seqlen: compile at the smallest one that takes the same path
-    q, k, v, do, _ = _inputs(kernels.TMA_MIN_SEQLEN if seqlen >= kernels.TMA_MIN_SEQLEN else 256, head_dim, causal)
-    scale = 1 / math.sqrt(head_dim)
-    variant = kernels.Variant(window=(-1, 0 if causal else -1))
-    out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
+    q, k, v, do, _ = _inputs(configs.TMA_MIN_SEQLEN if seqlen >= configs.TMA_MIN_SEQLEN else 256, head_dim, causal)
+    options = _options(head_dim, causal)
+    out, lse = launch.attention_forward(q, k, v, options, AttentionTensors())
     for mode, _, _, patch in _sweeps(head_dim, causal, seqlen, defaults_only):
         try:
-            _launch(mode, patch, q, k, v, do, out, lse, scale, variant)()
+            _launch(mode, patch, q, k, v, do, out, lse, options)()
         except Exception:  # reported by the timing pass
             pass
 
@@ -128,12 +125,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rep", type=int, default=40)
     parser.add_argument("--jobs", type=int, default=1, help="compile the candidates in this many processes first")
-    parser.add_argument("--baseline", help="directory holding an older kernels.py to time beside")
     parser.add_argument("--defaults-only", action="store_true",
-                        help="time only the current default configs (with --baseline: a before/after)")
+                        help="time only the current default configs")
     parser.add_argument("--out", help="write every measurement as JSON here")
     args = parser.parse_args(argv)
-    baseline = _load_baseline(args.baseline) if args.baseline else None
     cases = [(int(d), causal) for d in args.headdims.split(",") for causal in (False, True)]
     if args.jobs > 1:
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -141,28 +136,19 @@ def main(argv=None):
     records = []
     for head_dim, causal in cases:
         q, k, v, do, flops = _inputs(args.seqlen, head_dim, causal)
-        scale = 1 / math.sqrt(head_dim)
-        variant = kernels.Variant(window=(-1, 0 if causal else -1))
-        out, lse = kernels.flash_attn_forward(q, k, v, scale, variant)
+        options = _options(head_dim, causal)
+        out, lse = launch.attention_forward(q, k, v, options, AttentionTensors())
         case = f"d{head_dim} {'causal' if causal else 'full'} N={args.seqlen}"
         rows = []
         for mode, cand, is_default, patch in _sweeps(head_dim, causal, args.seqlen, args.defaults_only):
             try:
-                ms = _time(_launch(mode, patch, q, k, v, do, out, lse, scale, variant), args.warmup, args.rep)
+                ms = _time(_launch(mode, patch, q, k, v, do, out, lse, options), args.warmup, args.rep)
                 tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
             except Exception as error:  # out of shared memory / registers for this shape
                 ms, tflops = float("nan"), float("nan")
                 print(f"{case} {mode} {cand}: {type(error).__name__}: {str(error)[:120]}")
             rows.append((mode, cand, ms, tflops, is_default))
             records.append(dict(case=case, mode=mode, config=cand, ms=ms, tflops=tflops, default=is_default))
-        if baseline is not None:
-            b_out, b_lse = baseline.flash_attn_forward(q, k, v, scale, causal)
-            for mode, fn in (("fwd", lambda: baseline.flash_attn_forward(q, k, v, scale, causal)),
-                             ("bwd", lambda: baseline.flash_attn_backward(do, q, k, v, b_out, b_lse, scale, causal))):
-                ms = _time(fn, args.warmup, args.rep)
-                tflops = flops * (1.0 if mode == "fwd" else 2.5) / ms / 1e9
-                rows.append((mode, "baseline", ms, tflops, False))
-                records.append(dict(case=case, mode=mode, config="baseline", ms=ms, tflops=tflops, default=False))
         print(f"\n{case}")
         for mode, cand, ms, tflops, is_default in rows:
             print(f"  {mode:>4} {str(cand):>18} {ms:8.3f} ms {tflops:7.1f} TFLOP/s{'  <- default' if is_default else ''}")

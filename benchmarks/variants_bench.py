@@ -63,7 +63,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import flashtile  # noqa: E402
 from flashtile import reference  # noqa: E402
-from flashtile.bench import BWD_FLOPS_FACTOR, BWD_METHOD, _reason, environment, make_timer  # noqa: E402
+from flashtile.cli.bench import BWD_FLOPS_FACTOR, BWD_METHOD, environment, failure_reason, make_timer  # noqa: E402
 
 HEAD_DIM, DTYPE = 128, torch.bfloat16
 SOFTCAP, DROPOUT_P = 30.0, 0.1
@@ -137,7 +137,7 @@ class Bench:
                 try:
                     torch.autograd.grad(forward(), grad_inputs, dout)
                 except RuntimeError as error:
-                    refused[backend.name] = _reason(error, caught)
+                    refused[backend.name] = failure_reason(error, caught)
                     continue
                 timed[backend.name] = self.time(forward, grad_inputs, dout, flops)
         if not timed:

@@ -1,6 +1,11 @@
 """Test configuration: kernels run on the GPU when there is one, else under Triton's interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, hence here and not in a fixture.
+The ``backend`` fixture runs a test on each path this machine has: "triton" (the Triton kernels,
+under the interpreter on a CPU), "torch" (the CPU tiled path, off the GPU only), and, where a
+test asks for it by indirect parametrisation, "triton-tma" (the forward's tensor-descriptor loads,
+which it takes only from ``configs.TMA_MIN_SEQLEN`` on, far beyond the shapes here). On an sm_90
+GPU the launcher's Gluon forward is switched off here and tested in test_hopper.py.
 """
 
 import os
@@ -11,10 +16,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from helpers import BACKENDS, DEVICE  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from flashtile.triton import configs  # noqa: E402
 
 
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setattr(configs, "GLUON_MIN_SEQLEN", {})
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the PyTorch path
+    if request.param == "triton-tma":
+        monkeypatch.setattr(configs, "TMA_MIN_SEQLEN", 1)
+    return request.param

@@ -1,9 +1,15 @@
-"""Input validation: bad input gets a clear error naming the argument and the shapes."""
+"""The public API's contract: bad input gets a clear error naming the argument and the shapes, and
+help() documents every argument."""
+
+import inspect
+import re
 
 import pytest
 import torch
 
 import flashtile
+from flashtile._options import AttentionOptions, AttentionTensors
+from flashtile.triton import launch
 
 
 def qkv(q_shape=(2, 16, 4, 32), kv_shape=(2, 16, 4, 32), dtype=torch.float16):
@@ -77,12 +83,10 @@ def test_sdpa_api_requires_enable_gqa_for_fewer_kv_heads():
 def test_tensors_beyond_32_bit_offsets_are_refused():
     # meta tensors: the shape of a 2^32-element q without the memory; the launcher refuses it
     # before any kernel runs, rather than let 32-bit offsets wrap around
-    from flashtile.kernels import flash_attn_forward
-
     q = torch.empty(1, 2**20, 32, 128, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 1024, 8, 128, device="meta", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"q of shape \(1, 1048576, 32, 128\) spans 4294967296 elements"):
-        flash_attn_forward(q, k, k, 0.1)
+        launch.attention_forward(q, k, k, AttentionOptions(0.1), AttentionTensors())
 
 
 def test_op_helpers_refuse_inputs_that_need_grad():
@@ -94,3 +98,12 @@ def test_op_helpers_refuse_inputs_that_need_grad():
         out, lse = flashtile.ops.attention_forward(q, q, q, 0.25, causal=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         flashtile.ops.attention_backward(torch.randn_like(q), q, q, q, out, lse, 0.25, causal=True)
+
+
+@pytest.mark.parametrize("name", [name for name in flashtile.__all__ if callable(getattr(flashtile, name))])
+def test_help_names_every_argument(name):
+    # flash-attn's docstrings are complete per function: help() shows what each argument means
+    function = getattr(flashtile, name)
+    doc = inspect.getdoc(function)
+    for argument in inspect.signature(function).parameters:
+        assert re.search(rf"(^|\s|, ){argument}[:,]", doc, flags=re.M), f"{name}: {argument} is not documented"

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from flashtile.__main__ import main
-from flashtile.bench import Shape, forward_flops, gpu_state
+from flashtile.cli import main
+from flashtile.cli.bench import Shape, forward_flops, gpu_state
 
 TINY = ["--batch", "1", "--nheads", "2", "--headdims", "16", "--warmup", "0", "--rep", "0"]
 

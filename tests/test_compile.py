@@ -6,9 +6,10 @@ One small model per entry point; compiling takes seconds on the CPU, so the grid
 
 import pytest
 import torch
-from conftest import DEVICE
+from helpers import DEVICE
 
 import flashtile
+from flashtile._options import AttentionOptions, AttentionTensors
 
 
 class TinyAttention(torch.nn.Module):
@@ -69,7 +70,7 @@ def test_compile_fullgraph_forward_backward(backend, varlen):
 def test_ops_have_fake_implementations():
     q = torch.randn(2, 9, 4, 16, device="meta")
     k = torch.randn(2, 11, 2, 16, device="meta")
-    out, lse = torch.ops.flashtile.fwd(q, k, k, 0.25, -1, 0, 0.0, None, None, 0.0, None, None, None, 0, 0)
+    out, lse = torch.ops.flashtile.fwd(q, k, k, *AttentionTensors(), *AttentionOptions(0.25, window_right=0))
     assert out.shape == q.shape and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
 
 
@@ -78,11 +79,10 @@ def _op_args(causal: bool):
     torch.manual_seed(0)
     q = torch.randn(2, 9, 4, 40, device=DEVICE)
     k, v = torch.randn(2, 11, 2, 40, device=DEVICE), torch.randn(2, 11, 2, 40, device=DEVICE)
-    scalars = (0.25, -1, 0 if causal else -1, 0.0, None, None, 0.0, None, None, None, 0, 0)
-    out, lse = torch.ops.flashtile.fwd(q, k, v, *scalars)
+    call = (*AttentionTensors(), *AttentionOptions(0.25, window_right=0 if causal else -1))
+    out, lse = torch.ops.flashtile.fwd(q, k, v, *call)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    bwd_scalars = (*scalars[:6], False, *scalars[6:])  # bias_grad follows attn_bias
-    return (q, k, v, *scalars), (torch.randn_like(out), q, k, v, out, lse, *grads, *bwd_scalars)
+    return (q, k, v, *call), (torch.randn_like(out), q, k, v, out, lse, *grads, False, *call)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

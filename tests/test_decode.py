@@ -14,21 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from accuracy import assert_accurate
-from conftest import DEVICE
+from helpers import DEVICE, DTYPES, assert_accurate
 
-from flashtile.decode import flash_attn_with_kvcache, kvcache_attention_reference, num_splits_heuristic
+from flashtile.decode import flash_attn_with_kvcache
+from flashtile.reference import kvcache_attention_reference
+from flashtile.triton.launch import num_splits_heuristic
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
 REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes")
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the PyTorch reference path
-    return request.param
 
 
 class Case:
@@ -210,15 +203,17 @@ def test_num_splits_heuristic_fills_the_gpu():
          "pass cache_batch_idx"),
         (dict(block_table=torch.zeros(2, 4, dtype=torch.int32), cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
          NotImplementedError, "cache_batch_idx cannot be combined with block_table"),
-        (dict(window_size=4), TypeError, "window_size must be a"),
+        (dict(window_size=4), ValueError, "window_size must be a pair of ints"),
+        (dict(window_size=(-2, -1)), ValueError, "window_size must be a pair of ints ≥ -1"),
         (dict(softcap=-1.0), ValueError, "softcap must be a number"),
-        (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must be \(4,\) or \(2, 4\)"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
         (dict(num_splits=-1), ValueError, "num_splits must be an int"),
         (dict(q=torch.randn(32768, 1, 4, 16).half(), k_cache=torch.randn(32768, 2, 2, 16).half(),
               v_cache=torch.randn(32768, 2, 2, 16).half()), ValueError, r"batch · nheads of the cache \(32768 · 2\)"),
     ],
     ids=["dtype", "heads", "k-without-v", "append-without-seqlens", "seqlens-int64", "seqlens-shape", "overflow",
-         "cache-batch", "paged-with-batch-idx", "window-type", "softcap", "alibi-shape", "num-splits", "grid"],
+         "cache-batch", "paged-with-batch-idx", "window-type", "window-below-minus-one", "softcap", "alibi-shape",
+         "num-splits", "grid"],
 )
 def test_bad_inputs_raise_clear_errors(change, error, message):
     args = dict(q=torch.randn(2, 1, 4, 40).half(), k_cache=torch.randn(2, 96, 2, 40).half(),

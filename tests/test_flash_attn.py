@@ -9,74 +9,13 @@ import math
 
 import pytest
 import torch
-from accuracy import assert_accurate
-from conftest import DEVICE
+import triton
+from helpers import DEVICE, DTYPES, check_flash_attn_func, make_inputs, with_descriptor_loads
 
 import flashtile
-import flashtile.kernels
-import flashtile.ops
-from flashtile import reference as ref
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# The CPU tiled path exists only off the GPU; "triton" is the interpreter there.
-BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
-# "triton-tma": the forward loads its tiles through tensor descriptors, which it takes only from
-# kernels.TMA_MIN_SEQLEN on, far beyond the shapes here; tests marked `with_descriptor_loads` add it.
-# The Triton backends test the Triton kernels: on an sm_90 GPU the launcher's Gluon forward is
-# switched off here and tested in test_hopper.py.
-with_descriptor_loads = pytest.mark.parametrize("backend", [*BACKENDS, "triton-tma"], indirect=True)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setattr(flashtile.kernels, "GLUON_MIN_SEQLEN", {})
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the tiled PyTorch path
-    if request.param == "triton-tma":
-        monkeypatch.setattr(flashtile.kernels, "TMA_MIN_SEQLEN", 1)
-    return request.param
-
-
-def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype).requires_grad_()
-
-    q = rand(batch, seqlen_q, nheads_q, head_dim)
-    k = rand(batch, seqlen_k, nheads_k, head_dim)
-    v = rand(batch, seqlen_k, nheads_k, head_dim)
-    do = torch.randn(batch, seqlen_q, nheads_q, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
-    return q, k, v, do
-
-
-def references(q, k, v, do, causal, softmax_scale=None):
-    """(float64, input-dtype) results of standard attention: out, lse, dq, dk, dv."""
-    results = []
-    for dtype in (torch.float64, q.dtype):
-        qr, kr, vr = (t.detach().transpose(1, 2).to(dtype).requires_grad_() for t in (q, k, v))
-        out, lse, _ = ref.attention_forward(qr, kr, vr, softmax_scale, causal)
-        grads = torch.autograd.grad(out, (qr, kr, vr), do.transpose(1, 2).to(dtype))
-        results.append([out.transpose(1, 2), lse] + [g.transpose(1, 2) for g in grads])
-    return results
-
-
-def check_against_reference(q, k, v, do, causal, softmax_scale=None):
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                            return_attn_probs=True)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-    ref64, ref_lowp = references(q, k, v, do, causal, softmax_scale)
-    assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
-    # LSE is float32 in both: judged against float64 directly, -inf where a row sees nothing
-    seen = torch.isfinite(ref64[1])
-    assert torch.equal(torch.isneginf(lse.cpu()), ~seen.cpu())
-    torch.testing.assert_close(lse[seen].double(), ref64[1][seen], rtol=0, atol=1e-5)
-    for name, got, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref_lowp[2:]):
-        assert got.shape == r64.shape and got.dtype == q.dtype
-        assert_accurate(name, got, r64, rlow, factor=3)
-
+from flashtile import ops
+from flashtile._options import AttentionTensors
+from flashtile.triton import _host, configs, launch
 
 SEQLENS = [(1, 1), (1, 77), (17, 113), (113, 203), (203, 113), (128, 128)]
 
@@ -86,14 +25,14 @@ SEQLENS = [(1, 1), (1, 77), (17, 113), (113, 203), (203, 113), (128, 128)]
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_seqlens_and_dtypes(backend, dtype, seqlens, causal):
-    check_against_reference(*make_inputs(1, *seqlens, 2, 2, 64, dtype), causal)
+    check_flash_attn_func(*make_inputs(1, *seqlens, 2, 2, 64, dtype), causal=causal)
 
 
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")
 def test_head_dims(backend, head_dim, causal):
-    check_against_reference(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal)
+    check_flash_attn_func(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal=causal)
 
 
 @with_descriptor_loads
@@ -101,17 +40,17 @@ def test_head_dims(backend, head_dim, causal):
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_gqa_mqa(backend, dtype, heads, causal):
-    check_against_reference(*make_inputs(2, 70, 93, *heads, 40, dtype, seed=2), causal)
+    check_flash_attn_func(*make_inputs(2, 70, 93, *heads, 40, dtype, seed=2), causal=causal)
 
 
 def test_softmax_scale(backend):
-    check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=0.3)
+    check_flash_attn_func(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), causal=True, softmax_scale=0.3)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.2], ids=["scale0", "scale-neg"])
 def test_non_positive_softmax_scale(backend, scale):
     # 0 averages the visible values; masked (causal, out-of-range) keys must stay out either way
-    check_against_reference(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), True, softmax_scale=scale)
+    check_flash_attn_func(*make_inputs(1, 33, 50, 2, 2, 32, torch.float16, seed=3), causal=True, softmax_scale=scale)
 
 
 @with_descriptor_loads
@@ -123,7 +62,7 @@ def test_non_contiguous_inputs(backend):
     q, k, v = (t.requires_grad_() for t in qkv.unbind(2))
     assert not q.is_contiguous()
     do = torch.randn(2, 4, 59, 48, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
-    check_against_reference(q, k, v, do, causal=True)
+    check_flash_attn_func(q, k, v, do, causal=True)
 
 
 def test_sdpa_layout_matches_torch_sdpa(backend):
@@ -149,7 +88,7 @@ def test_fully_masked_rows(backend):
     assert (dq[:, :70] == 0).all()
     for t in (out, lse[:, :, 70:], dq, dk, dv):
         assert torch.isfinite(t).all()
-    check_against_reference(q, k, v, do, causal=True)
+    check_flash_attn_func(q, k, v, do, causal=True)
 
 
 def test_backward_is_deterministic(backend):
@@ -181,11 +120,11 @@ def test_backward_of_a_slice_with_strided_lse(backend):
     # Ring attention runs the backward of a block of rows against the global out and lse:
     # the lse slice is strided, and the result must equal the one on dense copies.
     q, k, v, do = make_inputs(1, 40, 40, 2, 2, 16, torch.float32, seed=9)
-    out, lse = flashtile.ops.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, False)
+    out, lse = ops.attention_forward(q.detach(), k.detach(), v.detach(), 0.25, False)
     rows = slice(13, 40)
-    strided = flashtile.ops.attention_backward(do[:, rows], q[:, rows].detach(), k.detach(), v.detach(),
+    strided = ops.attention_backward(do[:, rows], q[:, rows].detach(), k.detach(), v.detach(),
                                                out[:, rows], lse[:, :, rows], 0.25, False)
-    dense = flashtile.ops.attention_backward(*(t.contiguous() for t in (do[:, rows], q[:, rows].detach())),
+    dense = ops.attention_backward(*(t.contiguous() for t in (do[:, rows], q[:, rows].detach())),
                                              k.detach(), v.detach(), out[:, rows].contiguous(),
                                              lse[:, :, rows].contiguous(), 0.25, False)
     for a, b in zip(strided, dense):
@@ -193,30 +132,25 @@ def test_backward_of_a_slice_with_strided_lse(backend):
 
 
 def test_descriptor_loads_only_where_they_apply():
-    from flashtile.kernels import TMA_MIN_SEQLEN, Variant, _tma_usable
-
-    long, short = TMA_MIN_SEQLEN, TMA_MIN_SEQLEN - 1
+    long, short = configs.TMA_MIN_SEQLEN, configs.TMA_MIN_SEQLEN - 1
     aligned = torch.randn(2, 8, 4, 64, device=DEVICE).to(torch.bfloat16)
     odd_head_dim = torch.randn(2, 8, 4, 17, device=DEVICE).to(torch.bfloat16)  # 34-byte rows
     broadcast = aligned[:, :, :1].expand(2, 8, 4, 64)  # head stride 0
-    packed = Variant(cu_seqlens_q=torch.tensor([0, 8], device=DEVICE), max_seqlen_q=long, max_seqlen_k=long)
-    assert _tma_usable(Variant(), long, long, aligned, aligned)
-    assert not _tma_usable(Variant(), long, short, aligned, aligned)
-    assert not _tma_usable(Variant(), long, long, aligned, odd_head_dim)
-    assert not _tma_usable(Variant(), long, long, aligned, broadcast)
-    assert not _tma_usable(packed, long, long, aligned, aligned)
+    plain = AttentionTensors()
+    packed = AttentionTensors(cu_seqlens_q=torch.tensor([0, 8], device=DEVICE))
+    assert launch.tma_usable(plain, long, long, aligned, aligned)
+    assert not launch.tma_usable(plain, long, short, aligned, aligned)
+    assert not launch.tma_usable(plain, long, long, aligned, odd_head_dim)
+    assert not launch.tma_usable(plain, long, long, aligned, broadcast)
+    assert not launch.tma_usable(packed, long, long, aligned, aligned)
 
 
 def test_launcher_integer_math_matches_triton():
-    # the launchers size grids and blocks with flashtile._host's plain-int versions of these
-    import triton
-
-    from flashtile._host import cdiv, next_power_of_2
-
+    # the launchers size grids and blocks with flashtile.triton._host's plain-int versions of these
     for n in [*range(1, 300), 1023, 1024, 1025, 2**31 - 1]:
-        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        assert _host.next_power_of_2(n) == triton.next_power_of_2(n), n
         for block in (1, 16, 64, 128, 176):
-            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
+            assert _host.cdiv(n, block) == triton.cdiv(n, block), (n, block)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -1,4 +1,4 @@
-"""The Gluon forward for sm_90 (flashtile.hopper) against the float64 reference, and the rule that
+"""The Gluon forward for sm_90 (flashtile.gluon.sm90_fwd) against the float64 reference, and the rule that
 decides when the launcher takes it.
 
 Gluon has no interpreter: the accuracy tests run on an sm_90 GPU only (the H200 here) and are
@@ -7,11 +7,12 @@ skipped elsewhere; the dispatch rule is tested everywhere.
 
 import pytest
 import torch
-from conftest import DEVICE
-from test_flash_attn import check_against_reference, make_inputs
+from helpers import DEVICE, check_flash_attn_func, make_inputs
 
 import flashtile
-from flashtile import hopper, kernels
+from flashtile._options import AttentionOptions, AttentionTensors
+from flashtile.gluon import sm90_fwd
+from flashtile.triton import configs, launch
 
 on_sm90 = pytest.mark.skipif(
     DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0),
@@ -23,15 +24,15 @@ on_sm90 = pytest.mark.skipif(
 def gluon_calls(monkeypatch):
     """Send every shape the Gluon kernel supports to it (the launcher's own thresholds are
     performance policy, far beyond these shapes), and count the calls."""
-    monkeypatch.setattr(kernels, "GLUON_MIN_SEQLEN", {key: 1 for key in kernels.GLUON_MIN_SEQLEN})
+    monkeypatch.setattr(configs, "GLUON_MIN_SEQLEN", {key: 1 for key in configs.GLUON_MIN_SEQLEN})
     calls = []
-    forward = hopper.flash_attn_forward_sm90
+    forward = sm90_fwd.flash_attn_forward_sm90
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(hopper, "flash_attn_forward_sm90", counted)
+    monkeypatch.setattr(sm90_fwd, "flash_attn_forward_sm90", counted)
     return calls
 
 
@@ -42,7 +43,7 @@ def gluon_calls(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
-    check_against_reference(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11), causal)
+    check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11), causal=causal)
     assert gluon_calls
 
 
@@ -50,7 +51,7 @@ def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
 def test_gluon_forward_gqa(gluon_calls, heads, causal):
-    check_against_reference(*make_inputs(2, 130, 257, *heads, 128, torch.bfloat16, seed=12), causal)
+    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, 128, torch.bfloat16, seed=12), causal=causal)
     assert gluon_calls
 
 
@@ -61,7 +62,7 @@ def test_gluon_forward_fully_masked_rows(gluon_calls):
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert gluon_calls
     assert (out[:, :170] == 0).all() and torch.isneginf(lse[:, :, :170]).all()
-    check_against_reference(q, k, v, do, causal=True)
+    check_flash_attn_func(q, k, v, do, causal=True)
 
 
 @on_sm90
@@ -71,7 +72,7 @@ def test_gluon_forward_strided_inputs(gluon_calls):
     qkv = torch.randn(2, 150, 3, 4, 64, generator=g).to(DEVICE, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in qkv.unbind(2))
     do = torch.randn(2, 150, 4, 64, generator=g).to(DEVICE, torch.bfloat16)
-    check_against_reference(q, k, v, do, causal=True)
+    check_flash_attn_func(q, k, v, do, causal=True)
     assert gluon_calls
 
 
@@ -79,31 +80,34 @@ def test_gluon_forward_strided_inputs(gluon_calls):
 @pytest.mark.parametrize("scale", [0.0, -0.2], ids=["scale0", "scale-neg"])
 def test_non_positive_scale_stays_off_the_gluon_path(gluon_calls, scale):
     # masked scores are -inf before the scale: times 0 or a negative scale they would give NaN there
-    check_against_reference(*make_inputs(2, 113, 130, 4, 4, 128, torch.bfloat16, seed=15), True,
-                            softmax_scale=scale)
+    check_flash_attn_func(*make_inputs(2, 113, 130, 4, 4, 128, torch.bfloat16, seed=15), causal=True,
+                          softmax_scale=scale)
     assert not gluon_calls
 
 
 def test_gluon_only_where_it_applies(monkeypatch):
-    monkeypatch.setattr(kernels, "_is_sm90", lambda device: True)
-    long = kernels.GLUON_MIN_SEQLEN[64, True]
+    monkeypatch.setattr(launch, "_is_sm90", lambda device: True)
+    long = configs.GLUON_MIN_SEQLEN[64, True]
+    full, causal = AttentionOptions(0.1), AttentionOptions(0.1, window_right=0)
 
-    def usable(head_dim=128, seqlen=long, dtype=torch.bfloat16, variant=kernels.PLAIN, k_seqlen=None, scale=0.1):
+    def usable(head_dim=128, seqlen=long, dtype=torch.bfloat16, options=full, tensors=AttentionTensors(),
+               k_seqlen=None):
         q = torch.randn(1, seqlen, 2, head_dim).to(dtype)
         k = torch.randn(1, k_seqlen or seqlen, 2, head_dim).to(dtype)
-        return kernels._gluon_usable(variant, scale, q, k, k)
+        return launch.gluon_usable(options, tensors, q, k, k)
 
     assert usable() and usable(dtype=torch.float16) and usable(head_dim=64)
-    assert usable(variant=kernels.Variant(window=(-1, 0)))  # causal
-    causal = kernels.Variant(window=(-1, 0))
-    assert not usable(head_dim=64, seqlen=long, k_seqlen=long - 1, variant=causal)  # below its threshold
+    assert usable(options=causal)
+    assert not usable(head_dim=64, seqlen=long, k_seqlen=long - 1, options=causal)  # below its threshold
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
-    assert not usable(scale=0.0) and not usable(scale=-0.1)  # the kernel masks before it scales
-    for variant in (kernels.Variant(window=(16, 0)), kernels.Variant(softcap=30.0),
-                    kernels.Variant(alibi_slopes=torch.ones(2)), kernels.Variant(attn_bias=torch.zeros(1, 1, 1, 1)),
-                    kernels.Variant(dropout_p=0.1, dropout_seed=torch.zeros(1, dtype=torch.int64))):
-        assert not usable(variant=variant), variant
+    # the kernel masks before it scales
+    assert not usable(options=AttentionOptions(0.0)) and not usable(options=AttentionOptions(-0.1))
+    for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
+                    AttentionOptions(0.1, dropout_p=0.1)):
+        assert not usable(options=options), options
+    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1))):
+        assert not usable(tensors=tensors), tensors
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
-    assert not kernels._gluon_usable(kernels.PLAIN, 0.1, q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
-    monkeypatch.setattr(kernels, "_is_sm90", lambda device: False)
+    assert not launch.gluon_usable(full, AttentionTensors(), q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
+    monkeypatch.setattr(launch, "_is_sm90", lambda device: False)
     assert not usable()

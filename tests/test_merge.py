@@ -10,21 +10,12 @@ import math
 
 import pytest
 import torch
-from accuracy import assert_accurate
-from conftest import DEVICE
+from helpers import DEVICE, DTYPES, assert_accurate
 
 from flashtile import reference as ref
 from flashtile.merge import merge_attention_states, merge_split_attention_states
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-BACKENDS = ["triton"] if DEVICE == "cuda" else ["triton", "torch"]
 
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # dispatch to the PyTorch path
-    return request.param
 
 
 def qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype, seed):

@@ -13,10 +13,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE
+from helpers import DEVICE
 
 from flashtile import reference as ref
-from flashtile.scores import _dropout_keep
+from flashtile.triton.scores import dropout_keep
 
 
 def test_online_softmax_worked_example():
@@ -136,7 +136,7 @@ def _dropout_draw_kernel(Uniform, Keep, seed, dropout_p, row_start, col_start, n
     word, _, _, _ = tl.random.philox(seed, (zeros + cols[None, :]).to(tl.uint32),
                                      (zeros + rows[:, None]).to(tl.uint32), (zeros + i_bh).to(tl.uint32),
                                      zeros.to(tl.uint32))
-    keep = _dropout_keep(seed, rows[:, None], cols[None, :], i_bh, dropout_p)  # [BLOCK_M, BLOCK_N]
+    keep = dropout_keep(seed, rows[:, None], cols[None, :], i_bh, dropout_p)  # [BLOCK_M, BLOCK_N]
     o = i_bh * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(Uniform + o, tl.random.uint_to_uniform_float(word))
     tl.store(Keep + o, keep.to(tl.int8))

@@ -26,14 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from accuracy import assert_accurate
-from test_flash_attn import backend, references  # noqa: F401 (backend is a fixture)
+from helpers import DTYPES, assert_accurate, references
 
 import flashtile
 from flashtile.distributed import _block_plan, gather_sequence, ring_flash_attn_func, shard_sequence
 
 REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def _full_inputs(case: Case, device):
 def _check_case(case: Case, ring_results, q, k, v, do):
     """Rank 0: the gathered ring results against float64 and against single-process flashtile."""
     out, lse, dq, dk, dv = ring_results
-    ref64, ref_lowp = references(q, k, v, do, case.causal)
+    ref64, ref_lowp = references(q, k, v, do, causal=case.causal)
     assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
     torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
     for name, got, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref_lowp[2:]):

@@ -30,7 +30,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DEVICE
+from helpers import DEVICE
 
 transformers = pytest.importorskip("transformers")
 

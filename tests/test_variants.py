@@ -14,59 +14,12 @@ import math
 
 import pytest
 import torch
-from accuracy import assert_accurate
-from conftest import DEVICE
-from test_flash_attn import backend, make_inputs, with_descriptor_loads  # noqa: F401  (backend is a fixture)
+from helpers import (DEVICE, assert_accurate, check_flash_attn_func, check_outputs, make_inputs, references,
+                     to_reference, with_descriptor_loads)
 
 import flashtile
 from flashtile import reference as ref
 from flashtile.ops import attention_forward as ops_attention_forward
-
-
-def _to_ref(t, dtype):
-    """(batch, seqlen, nheads, headdim) → the reference's (batch, nheads, seqlen, headdim)."""
-    return t.detach().transpose(1, 2).to(dtype)
-
-
-def references(q, k, v, do, options, keep=None, dropout_p=0.0):
-    """(float64, input-dtype) results of standard attention: [out, lse, dq, dk, dv].
-
-    ``keep`` [B, H, Nq, Nk]: a dropout mask to apply to the reference's probabilities.
-    """
-    results = []
-    for dtype in (torch.float64, q.dtype):
-        qr, kr, vr = (_to_ref(t, dtype).requires_grad_() for t in (q, k, v))
-        out, lse, p = ref.attention_forward(qr, kr, vr, **options)
-        if keep is not None:
-            group = qr.shape[1] // kr.shape[1]
-            out = (p * keep.to(dtype) / (1 - dropout_p)) @ vr.repeat_interleave(group, dim=1)
-        grads = torch.autograd.grad(out, (qr, kr, vr), do.transpose(1, 2).to(dtype))
-        results.append([out.transpose(1, 2), lse] + [g.transpose(1, 2) for g in grads])
-    return results
-
-
-def check_outputs(out, lse, grads, ref64, ref_lowp):
-    """out, lse and gradients against the reference, by flash-attn's rule."""
-    assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
-    # LSE is float32 in both: judged against float64 directly, -inf where a row sees nothing
-    seen = torch.isfinite(ref64[1])
-    assert torch.equal(torch.isneginf(lse), ~seen)
-    torch.testing.assert_close(lse[seen].double(), ref64[1][seen], rtol=0, atol=1e-5)
-    for name, got, r64, rlow in zip(("dq", "dk", "dv"), grads, ref64[2:], ref_lowp[2:]):
-        assert got.shape == r64.shape and got.dtype == rlow.dtype, name
-        assert_accurate(name, got, r64, rlow, factor=3)
-
-
-def check_flash_attn_func(q, k, v, do, **options):
-    """flash_attn_func(**options) against the reference with the same options."""
-    out, lse, probs = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    assert probs is None  # probabilities are only formed with dropout, for testing
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    ref_options = {key: value for key, value in options.items() if key != "dropout_p"}
-    check_outputs(out, lse, grads, *references(q, k, v, do, ref_options))
-    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +151,7 @@ def check_attn_mask(kind, q, k, v, do):
     grads = torch.autograd.grad(out, inputs, do)
     results = []
     for dtype in (torch.float64, q.dtype):
-        qr, kr, vr = (_to_ref(t, dtype).requires_grad_() for t in (q, k, v))
+        qr, kr, vr = (to_reference(t, dtype).requires_grad_() for t in (q, k, v))
         bias = mask.detach().to(dtype).requires_grad_() if floating else mask
         ref_out, _, _ = ref.attention_forward(qr, kr, vr, softmax_scale=0.2, attn_bias=bias)
         ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr, bias) if floating else (qr, kr, vr),
@@ -245,9 +198,9 @@ def test_dropout_exact_with_the_returned_mask(backend, variant, causal):
     grads = torch.autograd.grad(out, (q, k, v), do)
     assert probs.shape == (2, 4, 53, 70)
     keep = _keep_from_probs(probs)
-    ref64, ref_lowp = references(q, k, v, do, dict(causal=causal, **options), keep=keep, dropout_p=dropout_p)
+    ref64, ref_lowp = references(q, k, v, do, keep=keep, dropout_p=dropout_p, causal=causal, **options)
     # the returned probabilities are the undropped ones
-    _, _, p64 = ref.attention_forward(*(_to_ref(t, torch.float64) for t in (q, k, v)), causal=causal, **options)
+    _, _, p64 = ref.attention_forward(*(to_reference(t, torch.float64) for t in (q, k, v)), causal=causal, **options)
     torch.testing.assert_close(probs.abs().double(), p64, rtol=0, atol=1e-3)
     check_outputs(out, lse, grads, ref64, ref_lowp)
 
@@ -258,7 +211,7 @@ def test_dropout_with_explicit_seed_matches_reference_mask(backend):
     for causal in (False, True):
         out, lse = ops_attention_forward(q.detach(), k.detach(), v.detach(), 0.25, causal, dropout_p=dropout_p,
                                          dropout_seed=seed)
-        ref_out, ref_lse, _ = ref.attention_forward(*(_to_ref(t, torch.float64) for t in (q, k, v)), 0.25, causal,
+        ref_out, ref_lse, _ = ref.attention_forward(*(to_reference(t, torch.float64) for t in (q, k, v)), 0.25, causal,
                                                     dropout_p=dropout_p, dropout_seed=seed)
         torch.testing.assert_close(out.double(), ref_out.transpose(1, 2), rtol=0, atol=1e-5)
         torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
@@ -297,8 +250,8 @@ def test_dropout_keeps_one_minus_p_and_is_unbiased(backend):
     assert abs(kept / visible - (1 - dropout_p)) <= 6 * math.sqrt(dropout_p * (1 - dropout_p) / visible)
     # E[out] = undropped out; Var[out_id] = p / (1 − p) · Σ_j P_ij² v_jd², so the mean of n
     # independent outputs is within 6 of its standard deviations of the expectation
-    _, _, p = ref.attention_forward(*(_to_ref(t, torch.float64) for t in base))
-    variance = dropout_p / (1 - dropout_p) * (p[0, 0] ** 2) @ (_to_ref(base[2], torch.float64)[0, 0] ** 2)
+    _, _, p = ref.attention_forward(*(to_reference(t, torch.float64) for t in base))
+    variance = dropout_p / (1 - dropout_p) * (p[0, 0] ** 2) @ (to_reference(base[2], torch.float64)[0, 0] ** 2)
     mean = torch.cat(outs).double().mean(0)[:, 0]  # [16, 16]
     assert ((mean - expected).abs() <= 6 * (variance / n).sqrt() + 1e-6).all()
 

@@ -13,11 +13,10 @@ takes ~25 s on 2 CPU cores (both backends; ~45 s when the cores are shared).
 
 import pytest
 import torch
-from accuracy import assert_accurate
-from conftest import DEVICE
-from test_flash_attn import backend, make_inputs  # noqa: F401  (backend is a fixture)
+from helpers import DEVICE, assert_accurate, make_inputs
 
 import flashtile
+from flashtile._options import AttentionOptions, AttentionTensors
 from flashtile import reference as ref
 
 # one long sequence among short ones; a query length 0 with keys, keys 0 with queries, lengths 1
@@ -133,8 +132,10 @@ def test_varlen_dropout_matches_reference_with_the_seed(backend):
     q, k, v = (t.detach() for t in (q, k, v))
     seed, dropout_p = 2**35 + 17, 0.25
     seed_tensor = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
-    out, lse = torch.ops.flashtile.fwd(q, k, v, 0.3, -1, 0, 0.0, None, None, dropout_p, seed_tensor, cu_q, cu_k,
-                                       max(SEQLENS_Q), max(SEQLENS_K))
+    tensors = AttentionTensors(dropout_seed=seed_tensor, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    options = AttentionOptions(0.3, window_right=0, dropout_p=dropout_p, max_seqlen_q=max(SEQLENS_Q),
+                               max_seqlen_k=max(SEQLENS_K))
+    out, lse = torch.ops.flashtile.fwd(q, k, v, *tensors, *options)
     ref_out, ref_lse = ref.varlen_attention_forward(q.double(), k.double(), v.double(), cu_q, cu_k, 0.3,
                                                     causal=True, dropout_p=dropout_p, dropout_seed=seed)
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)

@@ -1,35 +1,25 @@
-"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` ops.
+"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` operators.
 
 Inputs come separate ``(q, k, v)`` or packed (``qkv`` stacked on dim −3, or ``q`` and
 ``kv``); packed inputs are split into views, never copied, and the backward writes
 the gradients straight into the slices of one packed gradient, with no
-concatenation. Tensors here are already validated by ``flashtile.interface``.
+concatenation. Tensors here are already validated by ``flashtile._validate``.
 Only the tensors the backward needs are saved: the inputs, out and the
-log-sum-exp (plus the bias, ALiBi slopes, dropout seed and cu_seqlens if given).
+log-sum-exp (plus the call's optional tensors: bias, ALiBi slopes, dropout seed, cu_seqlens).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from ._options import AttentionOptions, AttentionTensors
+from .ops import bwd_op, fwd_op
 
 SEPARATE, QKV_PACKED, KV_PACKED = "separate", "qkv", "kv"
 
 
-class Scalars(NamedTuple):
-    """The non-tensor arguments of one call; ``window_right`` already includes causal (0)."""
-
-    softmax_scale: float
-    window_left: int = -1
-    window_right: int = -1
-    softcap: float = 0.0
-    dropout_p: float = 0.0
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-
-
-def _unpack(layout, a, b, c):
+def unpack(layout, a, b, c):
+    """(q, k, v) as views of the inputs, by ``layout``."""
     if layout == QKV_PACKED:
         return a.unbind(-3)
     if layout == KV_PACKED:
@@ -38,38 +28,33 @@ def _unpack(layout, a, b, c):
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """Exact attention: ``apply(layout, a, b, c, attn_bias, alibi_slopes, dropout_seed,
-    cu_seqlens_q, cu_seqlens_k, scalars)`` → (out, lse); (a, b, c) is (q, k, v),
-    (qkv, None, None) or (q, kv, None) by ``layout``; ``cu_seqlens_k`` None with
-    ``cu_seqlens_q`` given means the same tensor (Dynamo refuses one tensor passed twice)."""
+    """Exact attention: ``apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
+    cu_seqlens_k, options)`` → (out, lse); (a, b, c) is (q, k, v), (qkv, None, None) or
+    (q, kv, None) by ``layout``; the five optional tensors are ``AttentionTensors``' fields, in
+    order, passed one by one so that autograd sees them (the bias may need its gradient);
+    ``cu_seqlens_k`` None with ``cu_seqlens_q`` given means the same tensor (Dynamo refuses one
+    tensor passed twice)."""
 
     @staticmethod
-    def forward(ctx, layout, a, b, c, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                scalars: Scalars):
-        q, k, v = _unpack(layout, a, b, c)
+    def forward(ctx, layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                options: AttentionOptions):
+        q, k, v = unpack(layout, a, b, c)
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-        out, lse = torch.ops.flashtile.fwd(
-            q, k, v, scalars.softmax_scale, scalars.window_left, scalars.window_right, scalars.softcap,
-            alibi_slopes, attn_bias, scalars.dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-            scalars.max_seqlen_q, scalars.max_seqlen_k,
-        )
-        ctx.save_for_backward(a, b, c, out, lse, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+        tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+        out, lse = fwd_op(q, k, v, *tensors, *options)
+        ctx.save_for_backward(a, b, c, out, lse, *tensors)
         ctx.layout = layout
-        ctx.scalars = scalars
+        ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        a, b, c, out, lse, attn_bias, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        scalars, layout = ctx.scalars, ctx.layout
-        q, k, v = _unpack(layout, a, b, c)
+        a, b, c, out, lse, *saved = ctx.saved_tensors
+        tensors = AttentionTensors(*saved)
+        q, k, v = unpack(ctx.layout, a, b, c)
         grads = [torch.empty_like(t) if t is not None else None for t in (a, b, c)]
-        dq, dk, dv = _unpack(layout, *grads)
-        bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
-        dbias = torch.ops.flashtile.bwd(
-            dout, q, k, v, out, lse, dq, dk, dv, scalars.softmax_scale, scalars.window_left,
-            scalars.window_right, scalars.softcap, alibi_slopes, attn_bias, bias_grad, scalars.dropout_p,
-            dropout_seed, cu_seqlens_q, cu_seqlens_k, scalars.max_seqlen_q, scalars.max_seqlen_k,
-        )
-        return (None, *grads, dbias if bias_grad else None, None, None, None, None, None)
+        dq, dk, dv = unpack(ctx.layout, *grads)
+        bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
+        dbias = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+        return (None, *grads, None, dbias if bias_grad else None, None, None, None, None)

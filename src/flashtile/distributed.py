@@ -39,12 +39,12 @@ local attention. Every rank must pass shards of the same shape.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 
-from .interface import _check_inputs
+from . import _validate
+from ._options import default_softmax_scale
 from .merge import merge_attention_states
 from .ops import attention_backward, attention_forward
 
@@ -300,7 +300,7 @@ def ring_flash_attn_func(
         return_attn_probs, ``(out, softmax_lse, None)`` where softmax_lse is
         (batch, nheads, local_seqlen_q), float32, natural log, over the global keys.
     """
-    _check_inputs(q, k, v, heads_axis=2)
+    _validate.check_qkv(q, k, v, heads_axis=2)
     if tuple(window_size) != (-1, -1):
         raise NotImplementedError(
             f"window_size={tuple(window_size)!r} is not supported by ring attention (only (-1, -1))"
@@ -316,6 +316,6 @@ def ring_flash_attn_func(
         )
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs torch.distributed to be initialized (init_process_group)")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = default_softmax_scale(q.shape[-1], softmax_scale)
     out, lse = RingFlashAttnFunction.apply(q, k, v, scale, bool(causal), layout, group)
     return (out, lse, None) if return_attn_probs else out

@@ -1,150 +1,147 @@
-"""flashtile's two operators, registered with ``torch.library`` so that torch.compile sees them.
+"""flashtile's operators and the one place that picks the device path.
 
-``flashtile::fwd`` and ``flashtile::bwd`` are one attention call's forward and
-backward as plain operators (no autograd), with fake implementations that give
-the output shapes without running anything: ``torch.compile(fullgraph=True)``
-traces through them with no graph break and no host sync. The backward writes
-into ``dq``/``dk``/``dv`` buffers it is given (it mutates them), so the packed
-functions can hand it the slices of one packed gradient.
+``flashtile::fwd`` and ``flashtile::bwd`` are one attention call's forward and backward as
+plain operators (no autograd), registered with ``torch.library`` when this module is imported,
+with fake implementations that give the output shapes without running anything:
+``torch.compile(fullgraph=True)`` traces through them with no graph break and no host sync. The
+backward writes into ``dq``/``dk``/``dv`` buffers it is given (it mutates them), so the packed
+functions can hand it the slices of one packed gradient. ``fwd_op`` and ``bwd_op`` are their
+Python handles, which ``flashtile.autograd`` imports.
 
-They are defined with explicit schemas and one CompositeExplicitAutograd kernel each
-(``torch.library.Library``), not with ``torch.library.custom_op``, which wraps every
-call in a Python autograd kernel and a Dynamo guard and, for the mutating backward,
-re-reads the schema's defaults: a forward+backward's host time fell from ~390 to
-~220 µs on a CPU core without them (benchmarks/NOTES.md, "Host overhead"). Autograd
-is ``flashtile.autograd``'s single Function; the operators have no autograd kernel (an
-autograd kernel in Python would cost ~4 µs a call), so ``attention_forward`` and
-``attention_backward`` below refuse inputs that need grad rather than let PyTorch's
-fallback leave their gradients None.
+Their schemas are the call's one representation flattened: the fields of
+``_options.AttentionTensors`` and then of ``_options.AttentionOptions``, in order, generated
+from those NamedTuples, so the two cannot drift apart. They are defined with explicit schemas
+and one CompositeExplicitAutograd kernel each (``torch.library.Library``), not with
+``torch.library.custom_op``, which wraps every call in a Python autograd kernel and a Dynamo
+guard and, for the mutating backward, re-reads the schema's defaults: a forward+backward's host
+time fell from ~390 to ~220 µs on a CPU core without them (benchmarks/NOTES.md, "Host
+overhead"). The operators have no autograd kernel, so :func:`attention_forward` and
+:func:`attention_backward` below refuse inputs that need grad rather than let PyTorch's fallback
+leave their gradients None.
 
-Each dispatches by device: CUDA tensors run the Triton kernels; CPU tensors run
-``flashtile.reference``'s tiled algorithm (O(N) memory), except under
-``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the CPU.
+Device dispatch (:func:`uses_triton`): CUDA tensors run the Triton kernels
+(``flashtile.triton.launch``); CPU tensors run ``flashtile.reference``'s tiled algorithm (O(N)
+memory), except under ``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the
+CPU. The KV-cache forward and the merge of partial results dispatch the same way.
 
-Layout (batch, seqlen, nheads, headdim), or (total, nheads, headdim) with
-``cu_seqlens``; the log-sum-exp is (batch, nheads, seqlen_q), or (nheads,
-total_q), natural log, float32. ``window_left/right`` already include causal
-(right = 0); −1 is unbounded.
+Layout (batch, seqlen, nheads, headdim), or (total, nheads, headdim) with ``cu_seqlens``; the
+log-sum-exp is (batch, nheads, seqlen_q), or (nheads, total_q), natural log, float32.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from . import reference
-from ._host import launch_device
+from ._options import AttentionOptions, AttentionTensors, fold_causal
+from .triton import launch
+from .triton._interpreter import interpreting
 
-__all__ = ["attention_forward", "attention_backward", "uses_triton"]
+__all__ = ["attention_backward", "attention_forward", "bwd_op", "fwd_op", "kvcache_attention", "merge_states",
+           "uses_triton"]
 
 
 def uses_triton(t: torch.Tensor) -> bool:
-    """Whether tensors on ``t``'s device run the Triton kernels."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether tensors on ``t``'s device run the Triton kernels (else the PyTorch reference)."""
+    return t.is_cuda or interpreting()
 
 
-def _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
-             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    from .kernels import Variant
+# ----------------------------------------------------------------------------------------------
+# The registered operators
 
-    return Variant((window_left, window_right), softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+_SCHEMA_TYPES = {"torch.Tensor | None": "Tensor?", "float": "float", "int": "SymInt"}
 
 
-def _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed):
-    return dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-                attn_bias=attn_bias, dropout_p=dropout_p,
-                dropout_seed=int(dropout_seed.item()) if dropout_seed is not None else None)
+def _schema_arguments(fields: type) -> str:
+    # a NamedTuple keeps its annotations as written (strings, or ForwardRefs wrapping them)
+    return ", ".join(f"{_SCHEMA_TYPES[getattr(annotation, '__forward_arg__', annotation)]} {name}"
+                     for name, annotation in fields.__annotations__.items())
 
 
-def _lse_shape(q, k, cu_seqlens_q):
-    if cu_seqlens_q is not None:
-        return (q.shape[1], q.shape[0])
-    return (q.shape[0], q.shape[2], q.shape[1])
+_CALL = f"{_schema_arguments(AttentionTensors)}, {_schema_arguments(AttentionOptions)}"
+_SCHEMAS = {
+    "fwd": f"fwd(Tensor q, Tensor k, Tensor v, {_CALL}) -> (Tensor, Tensor)",
+    "bwd": f"bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
+           f"Tensor(c!) dv, bool bias_grad, {_CALL}) -> Tensor",
+}
+_NUM_TENSORS = len(AttentionTensors._fields)
 
 
-def _attends_nothing(q, k, cu_seqlens_q) -> bool:
-    token_axis = 0 if cu_seqlens_q is not None else 1
+def _call(arguments) -> tuple[AttentionTensors, AttentionOptions]:
+    """The operators' flat trailing arguments → the call's (tensors, options)."""
+    return AttentionTensors(*arguments[:_NUM_TENSORS]), AttentionOptions(*arguments[_NUM_TENSORS:])
+
+
+def _lse_shape(q, tensors: AttentionTensors):
+    return (q.shape[1], q.shape[0]) if tensors.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _attends_nothing(q, k, tensors: AttentionTensors) -> bool:
+    token_axis = 0 if tensors.is_varlen else 1
     return q.numel() == 0 or k.shape[token_axis] == 0
 
 
-_SCHEMAS = {
-    "fwd": "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, SymInt window_left, SymInt window_right, "
-           "float softcap, Tensor? alibi_slopes, Tensor? attn_bias, float dropout_p, Tensor? dropout_seed, "
-           "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> (Tensor, Tensor)",
-    "bwd": "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
-           "Tensor(c!) dv, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
-           "Tensor? alibi_slopes, Tensor? attn_bias, bool bias_grad, float dropout_p, Tensor? dropout_seed, "
-           "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> Tensor",
-}
+def _reference_arguments(options: AttentionOptions, tensors: AttentionTensors) -> dict:
+    seed = tensors.dropout_seed
+    return dict(softmax_scale=options.softmax_scale, window_size=options.window, softcap=options.softcap,
+                alibi_slopes=tensors.alibi_slopes, attn_bias=tensors.attn_bias, dropout_p=options.dropout_p,
+                dropout_seed=int(seed.item()) if seed is not None else None)
 
 
-def _fwd(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
-         dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    if _attends_nothing(q, k, cu_seqlens_q):
+def _fwd(q, k, v, *arguments):
+    tensors, options = _call(arguments)
+    if _attends_nothing(q, k, tensors):
         # nothing to attend: output 0, log-sum-exp -inf
-        return q.new_zeros(q.shape), torch.full(_lse_shape(q, k, cu_seqlens_q), -math.inf, device=q.device)
+        return q.new_zeros(q.shape), torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
     if uses_triton(q):
-        from .kernels import flash_attn_forward
-
-        variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        with launch_device(q):
-            return flash_attn_forward(q, k, v, softmax_scale, variant)
-    options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
-                                 dropout_seed)
-    if cu_seqlens_q is not None:
-        out, lse = reference.tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                                                            **options)
+        return launch.attention_forward(q, k, v, options, tensors)
+    if tensors.is_varlen:
+        out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+                                                            **_reference_arguments(options, tensors))
         return out, lse.float()
     out, lse = reference.tiled_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 softmax_scale, **options)
+                                                 **_reference_arguments(options, tensors))
     return out.transpose(1, 2).contiguous(), lse.float()
 
 
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
-              dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, k, cu_seqlens_q), dtype=torch.float32)
+def _fwd_fake(q, k, v, *arguments):
+    tensors, _ = _call(arguments)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, tensors), dtype=torch.float32)
 
 
-def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-         attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     """Writes dq, dk, dv; returns the bias gradient (shaped like attn_bias), or an empty tensor."""
+    tensors, options = _call(arguments)
     no_bias_grad = q.new_empty((0,), dtype=torch.float32)
-    if _attends_nothing(q, k, cu_seqlens_q):
+    if _attends_nothing(q, k, tensors):
         for grad in (dq, dk, dv):
             grad.zero_()
-        return torch.zeros_like(attn_bias) if bias_grad else no_bias_grad
+        return torch.zeros_like(tensors.attn_bias) if bias_grad else no_bias_grad
     if uses_triton(q):
-        from .kernels import flash_attn_backward
-
-        variant = _variant(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        with launch_device(q):
-            *_, dbias = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, variant, dq, dk, dv, bias_grad)
+        dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
-    options = _reference_options(window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p,
-                                 dropout_seed)
-    if cu_seqlens_q is not None:
-        grads = reference.tiled_varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
-                                                          softmax_scale, **options)
+    if tensors.is_varlen:
+        grads = reference.tiled_varlen_attention_backward(
+            q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+            **_reference_arguments(options, tensors),
+        )
         for buffer, grad in zip((dq, dk, dv), grads):
             buffer.copy_(grad)
         return no_bias_grad
     *grads, dbias = reference.tiled_attention_backward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
-        softmax_scale, **options,
+        **_reference_arguments(options, tensors),
     )
     for buffer, grad in zip((dq, dk, dv), grads):
         buffer.copy_(grad.transpose(1, 2))
-    return dbias.to(attn_bias.dtype) if bias_grad else no_bias_grad
+    return dbias.to(tensors.attn_bias.dtype) if bias_grad else no_bias_grad
 
 
-def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-              attn_bias, bias_grad, dropout_p, dropout_seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    return torch.empty_like(attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
+    tensors, _ = _call(arguments)
+    return torch.empty_like(tensors.attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
 
 
 if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook autoreload) keeps the first
@@ -155,6 +152,13 @@ if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook
         _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_LIBRARY)
 
+fwd_op = torch.ops.flashtile.fwd.default
+bwd_op = torch.ops.flashtile.bwd.default
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-differentiable entry points, for code that composes attention calls itself (ring attention)
+
 
 def _refuse_autograd(*tensors) -> None:
     # the operators have no autograd formula (flashtile.autograd is the differentiable layer), and
@@ -164,21 +168,22 @@ def _refuse_autograd(*tensors) -> None:
                            "under torch.no_grad() or inside an autograd.Function, or use flash_attn_func")
 
 
+def _seed_tensor(dropout_seed, device):
+    if isinstance(dropout_seed, int):
+        return torch.tensor([dropout_seed], dtype=torch.int64, device=device)
+    return dropout_seed
+
+
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None):
     """One attention call's forward, no autograd: (q, k, v) → (out, lse).
 
-    For code that composes attention calls itself, such as ring attention.
     ``dropout_seed``: an int, or an int64 tensor of one element (needed when dropout_p > 0).
     """
     _refuse_autograd(q, k, v, alibi_slopes, attn_bias)
-    left, right = window_size
-    if causal:
-        right = 0
-    if isinstance(dropout_seed, int):
-        dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64, device=q.device)
-    return torch.ops.flashtile.fwd(q, k, v, softmax_scale, left, right, softcap, alibi_slopes, attn_bias,
-                                   dropout_p, dropout_seed, None, None, 0, 0)
+    options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
+    tensors = AttentionTensors(alibi_slopes, attn_bias, _seed_tensor(dropout_seed, q.device))
+    return fwd_op(q, k, v, *tensors, *options)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
@@ -189,12 +194,45 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     (ring attention): the gradients are then this part's share.
     """
     _refuse_autograd(dout, q, k, v, out, lse, alibi_slopes)
-    left, right = window_size
-    if causal:
-        right = 0
-    if isinstance(dropout_seed, int):
-        dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64, device=q.device)
+    options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
+    tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.ops.flashtile.bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, left, right, softcap,
-                            alibi_slopes, None, False, dropout_p, dropout_seed, None, None, 0, 0)
+    bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache forward and merging, by device
+
+
+def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
+                      alibi_slopes=None, num_splits: int = 0):
+    """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
+    the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
+    → (out in q's dtype, lse [B, Hq, Sq] float32)."""
+    if uses_triton(q):
+        return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                                                options, alibi_slopes, num_splits)
+    out, lse = reference.kvcache_attention_reference(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
+        options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32,
+    )
+    return out.to(q.dtype), lse.float()
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor):
+    """outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D], lse [..., H, S] float32): the
+    Triton kernel, or the PyTorch formula on the CPU path and for inputs that need grad (the kernel
+    has no backward)."""
+    needs_grad = torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)
+    if needs_grad or not uses_triton(outs):
+        return reference.merge_split_states(outs, lses)
+    num_parts, seqlen, nheads, head_dim = outs.shape[0], *outs.shape[-3:]
+    lead = outs.shape[1:-3]
+    out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
+    lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
+    launch.merge_states_into(
+        outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
+        out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
+    )
+    return out.view(*lead, seqlen, nheads, head_dim), lse.view(*lead, nheads, seqlen)

@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from . import reference
-from .accuracy import error_bound, max_error
-from .interface import flash_attn_func
-from .ops import uses_triton
+from .. import reference
+from ..accuracy import error_bound, max_error
+from ..interface import flash_attn_func
+from ..ops import uses_triton
 
 ACCURACY_CASES = [
     # (dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, causal)

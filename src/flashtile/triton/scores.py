@@ -30,7 +30,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     """float32 tanh as a rational function (Eigen's fast tanh, a few ulps).
 
     Triton's interpreter has no libdevice tanh, and ``1 − 2/(e^{2x} + 1)`` loses
@@ -51,7 +51,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
+def scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Base-2 scores of a block from its raw product ``qk``.
 
@@ -61,7 +61,7 @@ def _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2
     alibi_slope_log2 = slope·log2 e. Bias and visibility are applied by the caller.
     """
     if HAS_SOFTCAP:
-        s = _tanh(qk * softcap_scale) * softcap_log2
+        s = tanh(qk * softcap_scale) * softcap_log2
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
@@ -70,11 +70,11 @@ def _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2
 
 
 @triton.jit
-def _visible(rows, cols, diagonal, window_left, window_right,
+def is_visible(rows, cols, diagonal, window_left, window_right,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """Whether key ``cols`` is visible to query ``rows`` by the window/causal rule (no bounds).
 
-    ``rows`` and ``cols`` broadcast against each other, as in :func:`_scores_log2`.
+    ``rows`` and ``cols`` broadcast against each other, as in :func:`scores_log2`.
     """
     rel = cols - rows - diagonal  # j − (i + Nk − Nq)
     visible = rel == rel
@@ -86,28 +86,28 @@ def _visible(rows, cols, diagonal, window_left, window_right,
 
 
 @triton.jit
-def _masked_scores_log2(qk, rows, cols, m_rows, m_cols, diagonal, bias_ptrs,
+def masked_scores_log2(qk, rows, cols, m_rows, m_cols, diagonal, bias_ptrs,
                         qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
                         APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The whole score pipeline of a block: :func:`_scores_log2`, the bias, then −inf where a key
+    """The whole score pipeline of a block: :func:`scores_log2`, the bias, then −inf where a key
     is out of bounds (``m_rows``/``m_cols``) or outside the window — only when ``APPLY_MASK``,
     which the kernels turn off for blocks every row sees whole. Any orientation (see
-    :func:`_scores_log2`); ``bias_ptrs`` point at the bias entries of the block."""
-    s = _scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
+    :func:`scores_log2`); ``bias_ptrs`` point at the bias entries of the block."""
+    s = scores_log2(qk, rows, cols, diagonal, qk_scale, softcap_scale, softcap_log2, alibi_slope_log2,
                      HAS_SOFTCAP, HAS_ALIBI)
     if HAS_BIAS:
         s += tl.load(bias_ptrs, mask=m_rows & m_cols, other=0.0).to(tl.float32) * 1.4426950408889634
     if APPLY_MASK:
         visible = m_rows & m_cols
         if MASK_LEFT or MASK_RIGHT:
-            visible = visible & _visible(rows, cols, diagonal, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+            visible = visible & is_visible(rows, cols, diagonal, window_left, window_right, MASK_LEFT, MASK_RIGHT)
         s = tl.where(visible, s, float("-inf"))
     return s
 
 
 @triton.jit
-def _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
+def key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi) of the keys that queries [row_start, row_end) can see; lo is a multiple of BLOCK_N."""
     lo = 0
@@ -120,11 +120,14 @@ def _key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right
 
 
 @triton.jit
-def _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi, window_left, window_right,
-                        MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[full_lo, full_hi) inside [lo, hi): the key blocks (from lo, BLOCK_N apart) that every
-    query of [row_start, row_end) sees whole — in bounds and inside the window — so that
-    they need no mask. [lo, full_lo) and [full_hi, hi) are the masked edges."""
+def key_runs(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks that queries [row_start, row_end) see, as three runs of BLOCK_N-wide blocks
+    from ``lo``: ``(lo, full_lo, full_hi, hi)`` with [lo, hi) as :func:`key_range`, and
+    [full_lo, full_hi) the blocks that every query sees whole — in bounds and inside the window —
+    so that they need no mask. [lo, full_lo) and [full_hi, hi) are the masked edges."""
+    lo, hi = key_range(row_start, row_end, diagonal, seqlen_k, window_left, window_right,
+                       MASK_LEFT, MASK_RIGHT, BLOCK_N)
     full_lo = lo
     limit = seqlen_k
     if MASK_LEFT:
@@ -137,11 +140,11 @@ def _unmasked_key_range(row_start, row_end, diagonal, seqlen_k, lo, hi, window_l
     full_lo = tl.minimum(full_lo, hi)
     full_hi = lo + tl.maximum(limit - lo, 0) // BLOCK_N * BLOCK_N
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return full_lo, full_hi
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
+def query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
                  MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
     """[lo, hi) of the queries that see any of keys [col_start, col_end); lo a multiple of BLOCK_M."""
     lo = 0
@@ -154,12 +157,15 @@ def _query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_rig
 
 
 @triton.jit
-def _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, hi, window_left, window_right,
-                          MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[full_lo, full_hi) inside [lo, hi): the query blocks (from lo, BLOCK_M apart) that are
-    in bounds and see every key of [col_start, col_end) (col_end ≤ seqlen_k) inside the window,
-    so that they need no mask. Keys past seqlen_k in a ragged last K block need none either:
-    each key's dK/dV row is computed apart from the others and never stored."""
+def query_runs(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
+               MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query blocks that see keys [col_start, col_end) (col_end ≤ seqlen_k), as three runs of
+    BLOCK_M-high blocks from ``lo``: ``(lo, full_lo, full_hi, hi)`` with [lo, hi) as
+    :func:`query_range`, and [full_lo, full_hi) the blocks that are in bounds and see every key
+    inside the window, so that they need no mask. Keys past seqlen_k in a ragged last K block
+    need none either: each key's dK/dV row is computed apart from the others and never stored."""
+    lo, hi = query_range(col_start, col_end, diagonal, seqlen_q, window_left, window_right,
+                         MASK_LEFT, MASK_RIGHT, BLOCK_M)
     full_lo = lo
     limit = seqlen_q
     if MASK_RIGHT:
@@ -172,11 +178,27 @@ def _unmasked_query_range(col_start, col_end, diagonal, seqlen_q, seqlen_k, lo, 
     full_lo = tl.minimum(full_lo, hi)
     full_hi = lo + tl.maximum(limit - lo, 0) // BLOCK_M * BLOCK_M
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return full_lo, full_hi
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _dropout_keep(seed, rows, cols, i_seq_head, dropout_p):
+def run_bounds(RUN: tl.constexpr, lo, full_lo, full_hi, hi):
+    """[start, end) of run ``RUN`` of :func:`key_runs` / :func:`query_runs`: 0 the masked near
+    edge, 1 the whole blocks (no mask), 2 the masked far edge. Kernels walk the three in a
+    ``tl.static_range(3)`` loop with ``APPLY_MASK = RUN != 1``."""
+    start = lo
+    end = full_lo
+    if RUN == 1:
+        start = full_lo
+        end = full_hi
+    if RUN == 2:
+        start = full_hi
+        end = hi
+    return start, end
+
+
+@triton.jit
+def dropout_keep(seed, rows, cols, i_seq_head, dropout_p):
     """Whether P[rows, cols] of this (sequence, head) survives dropout (rows, cols broadcast).
 
     Philox counter (j, i, sequence·nheads + head, 0), first output word mapped to

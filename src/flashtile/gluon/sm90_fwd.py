@@ -5,7 +5,7 @@ warpgroups take turns at the matmuls and the softmax, so the tensor cores idle w
 (benchmarks/NOTES.md, "The profile"). Gluon (``triton.experimental.gluon``, in Triton 3.6) exposes
 the pieces, still in Python:
 
-* one CTA per block of 64·c query rows (one program per (Q block, head, batch), as in ``kernels``), split
+* one CTA per block of 64·c query rows (one program per (Q block, head, batch), as in ``flashtile.triton.attention``), split
   into partitions of warps that share K/V tiles in shared memory:
   - a **producer warp** moves Q once, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with
     the tensor copy engine (TMA), each buffer guarded by a "ready" and an "empty" mbarrier;
@@ -18,13 +18,15 @@ the pieces, still in Python:
 * the consumers are not synchronised with each other, so one's softmax also runs under another's
   matmuls (an explicit ping-pong turn between them measured no faster: NOTES.md, v0.5);
 * causal programs run longest first (reversed Q-block order); only blocks that cross the diagonal
-  or the end of the keys pay for masking.
+  or the end of the keys pay for masking. Visibility is the causal case of the one rule of
+  ``flashtile.triton.scores`` (key ``j`` visible to query ``i`` iff ``j ≤ i + Nk − Nq``), written
+  again here in Gluon's language because a Gluon kernel cannot call Triton functions.
 
-Conventions are those of ``flashtile.kernels``: (batch, seqlen, nheads, head_dim) tensors with any
+Conventions are those of ``flashtile.triton.attention``: (batch, seqlen, nheads, head_dim) tensors with any
 16-byte-aligned strides, GQA by ``h // (nheads_q // nheads_k)``, bottom-right causal alignment, the
 log-sum-exp in natural log, float32, and a row that sees no key gets output 0 and LSE −inf.
 
-Limits (``kernels.flash_attn_forward`` sends everything else to the Triton kernel, which stays the
+Limits (``flashtile.triton.launch.attention_forward`` sends everything else to the Triton kernel, which stays the
 portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64 and
 128; full or causal attention without bias, ALiBi, softcap, window, dropout or packed batches; a
 positive softmax scale (masking sets raw scores to −inf before the scale multiplies them, and the
@@ -47,7 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from ._host import cdiv
 
 # Consumer warpgroups per CTA, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md v0.5: three
 # at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the setmaxnreg
@@ -269,17 +270,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: float,
                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] → (out like q, lse [B, Hq, Nq] float32), for inputs that
-    ``kernels.flash_attn_forward`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``."""
+    ``flashtile.triton.launch.gluon_usable`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``."""
     batch, seqlen_q, nheads_q, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     head_dim = q.shape[-1]
     num_consumers = CONSUMERS[head_dim]
-    grid = (cdiv(seqlen_q, num_consumers * ROWS), nheads_q, batch)
+    grid = (-(-seqlen_q // (num_consumers * ROWS)), nheads_q, batch)  # ceil division on Python ints
     _attn_fwd_sm90_kernel[grid](
-        _descriptor(q, ROWS), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, ROWS),
-        lse, lse.stride(0), lse.stride(1), nheads_q // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        q_desc=_descriptor(q, ROWS), k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
+        o_desc=_descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         NUM_STAGES=NUM_STAGES, num_warps=4,
     )

@@ -9,8 +9,23 @@ and accumulate them in float32.
 
 from __future__ import annotations
 
+import os
+
 import triton.language as tl
 from triton.runtime import interpreter
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter. Read at each call: the tests switch a
+    process between the interpreter and the PyTorch path through the environment."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def apply_fixes() -> None:
+    """Patch the interpreter if it is active (idempotent); ``flashtile.triton.launch`` calls this
+    once when it is imported, before any kernel runs."""
+    if interpreting():
+        patch_bf16_dot()
 
 
 def patch_bf16_dot() -> None:
@@ -30,4 +45,4 @@ def patch_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
-__all__ = ["patch_bf16_dot"]
+__all__ = ["apply_fixes", "interpreting", "patch_bf16_dot"]

@@ -1,0 +1,256 @@
+"""Every argument check and default of flashtile's public functions, in one place.
+
+The public modules (``interface``, ``decode``, ``merge``, ``distributed``) call these before any
+work, so the same argument gets the same exception type and message everywhere: a ``TypeError``
+for a wrong type or dtype, a ``ValueError`` for a wrong value or shape, each naming the argument
+and the shapes involved. Checks read only what is on the host (shapes, dtypes, Python scalars):
+none synchronises with the GPU. The defaults (softmax scale, causal folded into the window) come
+from ``flashtile._options``, which the reference shares.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._options import AttentionOptions, default_softmax_scale, fold_causal
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
+
+
+def check_tensors(names, tensors, ndim: int) -> None:
+    """Each is a float16/bfloat16/float32 tensor of ``ndim`` dimensions."""
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def check_head_dim(head_dim: int, shapes) -> None:
+    """``shapes()`` formats the inputs' shapes for the message, only when it raises."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim} ({shapes()})")
+
+
+def check_qkv(q, k, v, *, heads_axis: int, names=("q", "k", "v"), packed: bool = False) -> None:
+    """Validate (batch, ..., headdim) inputs, or (total, nheads, headdim) when ``packed``."""
+    check_tensors(names, (q, k, v), 3 if packed else 4)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+    def shapes():  # formatted for an error only: this check runs on every call
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {shapes()}")
+    if not packed and q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: {shapes()}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: {shapes()}")
+    check_head_dim(q.shape[-1], shapes)
+    nheads_q, nheads_k = q.shape[heads_axis], k.shape[heads_axis]
+    if nheads_k == 0 or nheads_q % nheads_k != 0:
+        raise ValueError(
+            f"nheads of q ({nheads_q}) must be a multiple of nheads of k/v ({nheads_k}): {shapes()}"
+        )
+
+
+def check_packed(name, t, ndim, count) -> None:
+    """``t`` stacks ``count`` tensors on dim −3 (qkv: 3, kv: 2)."""
+    check_tensors((name,), (t,), ndim)
+    if t.shape[-3] != count:
+        raise ValueError(f"{name} must have size {count} in dim -3, got shape {tuple(t.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise TypeError(f"{name} must be a 1-D int32 tensor (batch + 1,), got {got}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                         f"{tuple(cu_seqlens_k.shape)} must have the same length (batch + 1)")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
+
+
+def window(window_size, causal: bool) -> tuple[int, int]:
+    """(left, right) of a valid ``window_size`` with causal folded in (right = 0)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints ≥ -1 (-1 = unbounded), got {window_size!r}")
+    return fold_causal(window_size, bool(causal))
+
+
+def check_alibi(alibi_slopes, batch: int, nheads: int, device):
+    """→ the slopes, contiguous: float32 (nheads,) or (batch, nheads); None passes through."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {getattr(alibi_slopes, 'dtype', alibi_slopes)}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+    return alibi_slopes.contiguous()
+
+
+def check_softcap(softcap) -> float:
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number ≥ 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_dropout(dropout_p) -> float:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout_p=0.0,
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> AttentionOptions:
+    """The validated options of one call, with the defaults applied."""
+    softcap, dropout_p = check_softcap(softcap), check_dropout(dropout_p)
+    left, right = window(window_size, causal)
+    return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
+                            max_seqlen_q, max_seqlen_k)
+
+
+def attn_mask_to_bias(attn_mask, q, k):
+    """SDPA's attn_mask (q, k in (batch, nheads, seqlen, headdim)) as an additive bias: bool
+    True = may attend (else −inf), float added as it is."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        broadcast = torch.broadcast_shapes(attn_mask.shape, full)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != full:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(batch, nheads, seqlen_q, seqlen_k) = {full}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
+    if attn_mask.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32, got {attn_mask.dtype}")
+    return attn_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention against a KV cache
+
+
+def _check_int32(name, t, shape) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table) -> None:
+    """The tensors of ``flash_attn_with_kvcache``; an int ``cache_seqlens`` must fit the cache."""
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None)")
+    if k is not None:
+        tensors += [("k", k), ("v", v)]
+    for name, t in tensors:
+        check_tensors((name,), (t,), 4)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes}")
+    nheads_k = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head dims differ: {shapes}")
+    check_head_dim(head_dim, lambda: shapes)
+    if nheads_k == 0 or nheads_q % nheads_k != 0:
+        raise ValueError(f"nheads of q ({nheads_q}) must be a multiple of nheads of the cache ({nheads_k}): {shapes}")
+    if batch * nheads_k > MAX_GRID_Y:
+        raise ValueError(f"batch · nheads of the cache ({batch} · {nheads_k}) must be ≤ {MAX_GRID_Y}, the kernel "
+                         f"grid's second axis: split the batch into several calls ({shapes})")
+    if k is not None:
+        expected = (batch, k.shape[1], nheads_k, head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must be (batch, seqlen_new, nheads_k, headdim) = {expected}, "
+                                 f"got {tuple(t.shape)} ({shapes})")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when k and v are appended to the cache")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_int32("cache_seqlens", cache_seqlens, (batch,))
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise NotImplementedError("cache_batch_idx cannot be combined with block_table (as in flash-attn)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise ValueError(f"block_table must be a 2-D (batch, max_blocks) int32 tensor, got "
+                             f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+        _check_int32("block_table", block_table, (batch, block_table.shape[1]))
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is not None:
+            _check_int32("cache_batch_idx", cache_batch_idx, (batch,))
+        elif k_cache.shape[0] != batch:
+            raise ValueError(f"batch sizes differ: {shapes}; pass cache_batch_idx to use other cache rows")
+        capacity = k_cache.shape[1]
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("block_table", block_table)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if isinstance(cache_seqlens, int):
+        needed = cache_seqlens + (k.shape[1] if k is not None else 0)
+        if not 0 <= cache_seqlens or needed > capacity:
+            raise ValueError(f"cache_seqlens={cache_seqlens} (+ {needed - cache_seqlens} new) does not fit "
+                             f"a cache of {capacity} positions")
+
+
+def check_num_splits(num_splits) -> int:
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int ≥ 0, got {num_splits!r}")
+    return num_splits
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging partial results
+
+
+def check_states(outs, lses) -> None:
+    """outs [P, ..., seqlen, nheads, headdim] and lses [P, ..., nheads, seqlen], floating point."""
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if outs.dim() < 4:
+        raise ValueError(f"outs must be [P, ..., seqlen, nheads, headdim], got shape {tuple(outs.shape)}")
+    expected = (*outs.shape[:-3], outs.shape[-2], outs.shape[-3])
+    if tuple(lses.shape) != expected:
+        raise ValueError(
+            f"lses must be [P, ..., nheads, seqlen] = {expected} for outs {tuple(outs.shape)}, got {tuple(lses.shape)}"
+        )
+    if outs.device != lses.device:
+        raise ValueError(f"outs and lses must be on one device, got {outs.device}, {lses.device}")

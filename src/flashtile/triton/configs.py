@@ -1,0 +1,92 @@
+"""Tuning of the Triton kernels: block shapes per head dim and dtype, and the thresholds that pick
+a code path. Numbers come from sweeps on the H200 (benchmarks/tune_configs.py and
+benchmarks/tma_threshold.py, bf16; benchmarks/NOTES.md has the tables). Nothing here launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._host import next_power_of_2
+
+INT32_MAX = 2**31 - 1
+# On the H200, descriptor loads (with their configs) beat pointer loads at seqlen 4096-16384 in every
+# standard case, and lost at 512-2048 in some (benchmarks/NOTES.md, v0.4).
+TMA_MIN_SEQLEN = 4096
+# (head dim, causal): the seqlen from which the Gluon forward (flashtile.gluon.sm90_fwd) beat the Triton
+# one on the H200: at head dim 128 everywhere (1.1-1.4x), at 64 from 2048 (causal 8192) on (NOTES.md, v0.5).
+GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 2048, (64, True): 8192}
+
+# Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
+# (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).
+_FWD_16BIT = {
+    # (largest BLOCK_D, causal, tensor descriptors): config
+    (64, False, True): (128, 64, 8, 3), (64, True, True): (128, 64, 4, 3),
+    (128, False, True): (128, 128, 8, 3), (128, True, True): (128, 128, 8, 3),
+    (256, False, True): (64, 32, 4, 3), (256, True, True): (64, 32, 4, 3),
+    # pointer loads (short or packed sequences): causal favours smaller Q blocks there
+    (64, False, False): (128, 64, 8, 3), (64, True, False): (64, 64, 4, 3),
+    (128, False, False): (128, 128, 8, 3), (128, True, False): (64, 64, 4, 3),
+    (256, False, False): (64, 32, 4, 2), (256, True, False): (64, 32, 4, 2),
+}
+# The backward's two kernels each have their own config: (dK/dV kernel, dQ kernel).
+_BWD_16BIT = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 3)),
+    128: ((64, 64, 4, 2), (64, 64, 4, 2)),
+    256: ((32, 32, 4, 2), (64, 32, 4, 1)),
+}
+# float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
+_FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
+_BWD_32BIT = {
+    64: ((64, 32, 4, 2), (64, 32, 4, 2)),
+    128: ((32, 32, 8, 2), (32, 32, 8, 2)),
+    256: ((16, 16, 4, 1), (16, 16, 4, 1)),
+}
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two ≥ 16 inside the kernels (masked loads; users never pad)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get exact float32 products, as torch.matmul gives them by default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _config(block_m, block_n, num_warps, num_stages) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _size_class(padded_head_dim: int) -> int:
+    return 64 if padded_head_dim <= 64 else 128 if padded_head_dim <= 128 else 256
+
+
+def fwd_config(padded_head_dim: int, dtype: torch.dtype, causal: bool, has_bias: bool = False,
+               tma: bool = False) -> dict:
+    """The forward kernel's block shapes, warps and pipeline stages."""
+    if dtype == torch.float32:
+        return _config(*_FWD_32BIT[_size_class(padded_head_dim)])
+    block_m, block_n, num_warps, num_stages = _FWD_16BIT[(_size_class(padded_head_dim), causal, tma)]
+    if has_bias:
+        # the pipelined [BLOCK_M, BLOCK_N] bias tiles must fit beside K and V in shared memory:
+        # (128, 128, 8, 3) at hdim 128 asked for 288 KiB of the H200's 227 KiB
+        block_n = min(block_n, 64)
+    return _config(block_m, block_n, num_warps, num_stages)
+
+
+def bwd_configs(padded_head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(dK/dV kernel config, dQ kernel config)."""
+    table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
+    dkdv, dq = table[_size_class(padded_head_dim)]
+    return _config(*dkdv), _config(*dq)
+
+
+def decode_config(padded_head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
+    """Block shapes of the KV-cache kernel: the M block holds the packed (query position, head)
+    rows, at least 16 for tl.dot."""
+    wide = dtype == torch.float32
+    block_m = min(64, max(16, next_power_of_2(query_rows)))
+    if padded_head_dim <= 128:
+        return dict(BLOCK_M=block_m, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)

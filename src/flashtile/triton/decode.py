@@ -1,0 +1,139 @@
+"""Attention of queries against a KV cache in Triton (flash-decoding): split-KV and paged.
+
+One program per (block of query rows, batch · KV head, split). The query rows of a program are
+the ``seqlen_q × group_size`` (position, query head) pairs that share one KV head, packed into the
+M dimension of the dots (flash-attn's "seqlenq_ngroups_swapped"): K/V are read from memory once per
+KV head, not once per query head, which is what decoding — a pass that only streams the cache — is
+limited by. The visible key range of a program (causal/window aware, per sequence) is cut into
+``num_splits`` runs of whole key blocks; each split runs the online softmax of the main forward
+kernel (``flashtile.triton.attention``; base 2 with ``log2 e`` folded into the scale) over its run
+and writes a normalised partial output and its log-sum-exp, which ``flashtile.triton.merge``
+combines. With one split the kernel writes the final result directly.
+
+Variants, with the score helpers of ``flashtile.triton.scores`` and each sequence's own length as
+Nk: softcap ``c · tanh(s / c)``, ALiBi ``−slope · |i + Nk − Nq − j|``, and the sliding window
+``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal sets right = 0); key blocks outside the
+window are skipped, not loaded.
+
+Paged cache: ``K`` is (num_blocks, page_size, nheads_k, headdim) and key ``j`` of sequence ``b``
+lives at ``K[block_table[b, j // page_size], j % page_size]``; the kernel gathers rows through the
+block table, so any page size works (flash-attn 2 needs multiples of 256). Without paging,
+``CacheBatchIdx`` optionally maps sequence ``b`` to its cache row.
+
+Conventions: bottom-right causal alignment per sequence; a split that sees no key writes output 0
+and log-sum-exp −inf (natural log, float32), which the merge weights 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .scores import is_visible, key_range, scores_log2
+
+
+@triton.jit
+def kvcache_attn_fwd_kernel(
+    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_op, stride_ob, stride_os, stride_oh, stride_od,
+    stride_lp, stride_lb, stride_lh, stride_ls,
+    stride_tb, stride_tn, stride_ab, stride_ah,
+    nheads_k, group_size, seqlen_q, num_splits, page_size,
+    qk_scale, softcap_scale, softcap_log2, window_left, window_right,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_split = tl.program_id(2)
+    i_b = i_bh // nheads_k
+    i_hk = i_bh % nheads_k
+
+    # row r of the block is query position r // group_size, query head i_hk·group_size + r % group_size
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_q = o_r // group_size
+    o_hq = i_hk * group_size + o_r % group_size
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_r = o_r < seqlen_q * group_size
+    m_d = o_d < HEAD_DIM
+
+    p_q = Q + i_b.to(tl.int64) * stride_qb + o_q[:, None] * stride_qs + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    alibi_slope_log2 = 0.0
+    if HAS_ALIBI:
+        b_slope = tl.load(AlibiSlopes + i_b * stride_ab + o_hq * stride_ah, mask=m_r, other=0.0)  # [BLOCK_M]
+        alibi_slope_log2 = b_slope[:, None] * 1.4426950408889634  # * log2(e), for base-2 scores
+
+    if IS_PAGED:
+        k_base = K + i_hk * stride_kh
+        v_base = V + i_hk * stride_vh
+        table_base = BlockTable + i_b.to(tl.int64) * stride_tb
+    else:
+        if HAS_BATCH_IDX:
+            i_cache = tl.load(CacheBatchIdx + i_b).to(tl.int64)
+        else:
+            i_cache = i_b.to(tl.int64)
+        k_base = K + i_cache * stride_kb + i_hk * stride_kh
+        v_base = V + i_cache * stride_vb + i_hk * stride_vh
+
+    # -- the keys this block of rows can see, [lo, hi), cut into num_splits runs of whole blocks
+    seqlen_k = tl.load(SeqlensK + i_b)
+    diagonal = seqlen_k - seqlen_q  # bottom-right alignment, per sequence
+    first_q = (i_m * BLOCK_M) // group_size
+    last_q = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // group_size, seqlen_q - 1)
+    lo, hi = key_range(first_q, last_q + 1, diagonal, seqlen_k, window_left, window_right,
+                        MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), num_splits)
+    split_lo = lo + i_split * blocks_per_split * BLOCK_N
+    split_hi = tl.minimum(hi, split_lo + blocks_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(split_lo, split_hi, BLOCK_N):
+        cols = start_n + o_n
+        m_n = cols < split_hi
+        if IS_PAGED:
+            # key j lives in page block_table[b, j // page_size], row j % page_size
+            b_page = tl.load(table_base + (cols // page_size) * stride_tn, mask=m_n, other=0).to(tl.int64)
+            k_rows = b_page * stride_kb + (cols % page_size) * stride_ks  # [BLOCK_N]
+            v_rows = b_page * stride_vb + (cols % page_size) * stride_vs
+        else:
+            k_rows = cols * stride_ks
+            v_rows = cols * stride_vs
+        b_k = tl.load(k_base + k_rows[:, None] + o_d[None, :] * stride_kd,
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(v_base + v_rows[:, None] + o_d[None, :] * stride_vd,
+                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = scores_log2(qk, o_q[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
+                         alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        visible = m_n[None, :] & is_visible(o_q[:, None], cols[None, :], diagonal, window_left, window_right,
+                                          MASK_LEFT, MASK_RIGHT)
+        s = tl.where(visible, s, float("-inf"))
+        # -- update m_i and l_i (a row with no visible key yet keeps m = -inf)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- rescale the unnormalised output and add this block
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # a split that saw no key writes output 0 and lse -inf: the merge gives it weight 0
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    out_base = Out + i_split * stride_op + i_b.to(tl.int64) * stride_ob
+    p_o = out_base + o_q[:, None] * stride_os + o_hq[:, None] * stride_oh + o_d[None, :] * stride_od
+    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    lse_base = Lse + i_split * stride_lp + i_b.to(tl.int64) * stride_lb
+    tl.store(lse_base + o_hq * stride_lh + o_q * stride_ls, lse, mask=m_r)

@@ -1,0 +1,389 @@
+"""Launchers: one call's tensors and options → the kernel that computes them, with its grid,
+configuration and keyword arguments.
+
+This is where the code paths are chosen:
+
+* the forward runs ``flashtile.gluon.sm90_fwd`` (FlashAttention-3's warp-specialised schedule) on an
+  sm_90 GPU for plain full or causal attention in 16 bits at head dims 64/128 from
+  ``configs.GLUON_MIN_SEQLEN`` on, else ``attention.attn_fwd_kernel``, which moves its tiles
+  with the tensor copy engine (TMA descriptors) from ``configs.TMA_MIN_SEQLEN`` on where the
+  strides allow, else with masked pointer loads;
+* the backward is three launches: D = rowsum(dO ∘ O), then the dK/dV kernel, then the dQ kernel;
+* the KV-cache forward plans its split count (:func:`split_plan`) and merges the splits with
+  ``merge.merge_states_kernel``.
+
+Every kernel argument is given by name (``stride_{tensor}{axis}`` for strides) and put in the
+kernel's parameter order by :func:`_launch`, so that reordering a kernel's parameters cannot
+misbind them. Launches run on the tensors' GPU, which need
+not be the current one. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU, with the
+interpreter fix of ``_interpreter`` applied when this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .._options import AttentionOptions, AttentionTensors
+from ..gluon import sm90_fwd
+from . import _interpreter, configs
+from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
+from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
+from .decode import kvcache_attn_fwd_kernel
+from .merge import merge_states_kernel
+
+_interpreter.apply_fixes()
+
+__all__ = ["attention_forward", "attention_backward", "kvcache_attention_forward", "merge_states_into",
+           "num_splits_heuristic", "split_plan"]
+
+LOG2E = 1.4426950408889634  # 1 / ln 2; the kernels work in base 2 (exp2) and repeat it as a literal
+
+
+# ----------------------------------------------------------------------------------------------
+# Keyword arguments
+
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def _launch(kernel, grid, **arguments) -> None:
+    """``kernel[grid]`` with every argument given by name, and the launch options (num_warps,
+    num_stages) among them. The values are laid out in the kernel's own parameter order here and
+    passed positionally: CPython binds ~70 keyword arguments by scanning the parameter names for
+    each, which measured ~25 µs more per launch than positional binding on a CPU core (~80 µs on
+    the H200's host)."""
+    options = {name: arguments.pop(name) for name in _LAUNCH_OPTIONS if name in arguments}
+    names = kernel.arg_names
+    if len(arguments) != len(names):
+        raise TypeError(f"{kernel.fn.__name__}: unknown arguments {sorted(set(arguments) - set(names))}, "
+                        f"missing {sorted(set(names) - set(arguments))}")
+    kernel[grid](*[arguments[name] for name in names], **options)
+
+
+@functools.cache
+def _stride_names(prefix: str, axes: str) -> tuple[str, ...]:
+    return tuple(f"stride_{prefix}{axis}" for axis in axes)
+
+
+def _strides(prefix: str, axes: str, strides) -> dict:
+    """``stride_{prefix}{axis}`` keyword arguments: ``_strides("q", "bshd", q.stride())``."""
+    return dict(zip(_stride_names(prefix, axes), strides))
+
+
+def _token_strides(prefix: str, t: torch.Tensor) -> dict:
+    """(batch, seq, head, dim) strides; a packed (total, head, dim) tensor has batch stride 0."""
+    return _strides(prefix, "bshd", t.stride() if t.dim() == 4 else (0, *t.stride()))
+
+
+def _lse_strides(lse: torch.Tensor) -> dict:
+    """(batch, head) strides of the log-sum-exp; the token stride is 1 in both layouts."""
+    return _strides("l", "bh", (0, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Code-path policy
+
+
+def _check_offsets(**tensors) -> None:
+    """The kernels index elements with 32-bit offsets: refuse a tensor that spans more."""
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        if extent > configs.INT32_MAX:
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} spans {extent} elements; flashtile's kernels index with "
+                f"32-bit offsets (at most {configs.INT32_MAX}): split the batch or the heads into several calls"
+            )
+
+
+def _descriptor_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can move tiles of these tensors: a contiguous head dim and positive
+    16-byte-aligned strides and bases."""
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+        and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def tma_usable(tensors: AttentionTensors, seqlen_q: int, seqlen_k: int, *tiles: torch.Tensor) -> bool:
+    """Whether the forward loads its tiles through tensor descriptors. They need Hopper's copy
+    engine (or the interpreter), one sequence per batch row (not packed) and descriptor-compatible
+    tensors; and they pay off only from ``TMA_MIN_SEQLEN`` on (benchmarks/NOTES.md, v0.4)."""
+    if tensors.is_varlen or min(seqlen_q, seqlen_k) < configs.TMA_MIN_SEQLEN:
+        return False
+    device = tiles[0].device
+    if device.type == "cuda":
+        if cuda_properties(device).major < 9:
+            return False
+    elif not _interpreter.interpreting():
+        return False
+    return _descriptor_compatible(*tiles)
+
+
+def _is_sm90(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    properties = cuda_properties(device)
+    return (properties.major, properties.minor) == (9, 0)
+
+
+def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> bool:
+    """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: on an sm_90 GPU, for plain full
+    or causal attention in 16 bits at a head dim it has, with a positive softmax scale (it masks raw
+    scores before scaling them), from ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
+    head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
+    plain = (options.window in ((-1, -1), (-1, 0)) and options.softcap == 0 and options.dropout_p == 0
+             and tensors.alibi_slopes is None and tensors.attn_bias is None and not tensors.is_varlen)
+    return (plain and options.softmax_scale > 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and q.numel() > 0 and k.numel() > 0
+            and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
+            and _is_sm90(q.device) and _descriptor_compatible(q, k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int, padded_head_dim: int) -> TensorDescriptor:
+    """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, padded_head_dim] boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, padded_head_dim])
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention forward and backward
+
+
+def _shape(q, k, options: AttentionOptions, tensors: AttentionTensors):
+    """(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim); seqlens are the grid's maxima."""
+    if tensors.is_varlen:
+        return (tensors.cu_seqlens_q.numel() - 1, options.max_seqlen_q, options.max_seqlen_k,
+                q.shape[1], k.shape[1], q.shape[2])
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+
+def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, shape) -> dict:
+    """The keyword arguments that the forward, dK/dV and dQ kernels share: the variants' tensors
+    (``q`` stands in for an absent one, never read), their strides, scalars and constexpr switches."""
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_k, _ = shape
+    bias = tensors.attn_bias
+    if bias is not None:
+        bias = bias.expand(batch, nheads_q, seqlen_q, seqlen_k)  # a view: broadcast dims get stride 0
+    slopes = tensors.alibi_slopes
+    softcap = options.softcap
+    return dict(
+        Bias=q if bias is None else bias,
+        AlibiSlopes=q if slopes is None else slopes,
+        Seed=q if tensors.dropout_seed is None else tensors.dropout_seed,
+        CuSeqlensQ=tensors.cu_seqlens_q if tensors.is_varlen else q,
+        CuSeqlensK=tensors.cu_seqlens_k if tensors.is_varlen else q,
+        **_strides("b", "bhmn", (0, 0, 0, 0) if bias is None else bias.stride()),
+        stride_ab=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+        nheads_q=nheads_q, group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        qk_scale=options.softmax_scale * LOG2E,
+        softcap_scale=options.softmax_scale / softcap if softcap > 0 else 1.0,
+        softcap_log2=softcap * LOG2E,
+        window_left=options.window_left, window_right=options.window_right, dropout_p=options.dropout_p,
+        MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=slopes is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=options.dropout_p > 0,
+        IS_VARLEN=tensors.is_varlen, DOT_PRECISION=configs.dot_precision(q.dtype),
+    )
+
+
+def _lse_empty(q, batch, nheads_q, seqlen_q, tensors: AttentionTensors):
+    if tensors.is_varlen:
+        return torch.empty((nheads_q, q.shape[0]), dtype=torch.float32, device=q.device)
+    return torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+
+
+def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
+    """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
+    ``tensors.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
+    _check_offsets(q=q, k=k, v=v, attn_bias=tensors.attn_bias)
+    with launch_device(q):
+        if gluon_usable(options, tensors, q, k, v):
+            return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal)
+        shape = _shape(q, k, options, tensors)
+        batch, seqlen_q, seqlen_k, nheads_q, _, head_dim = shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = _lse_empty(q, batch, nheads_q, seqlen_q, tensors)
+        padded = configs.block_d(head_dim)
+        use_tma = tma_usable(tensors, seqlen_q, seqlen_k, q, k, v, out)
+        cfg = configs.fwd_config(padded, q.dtype, options.window_right >= 0, tensors.attn_bias is not None, use_tma)
+        tiles = dict(Q=q, K=k, V=v, Out=out)
+        if use_tma:
+            tiles = dict(Q=_descriptor(q, cfg["BLOCK_M"], padded), K=_descriptor(k, cfg["BLOCK_N"], padded),
+                         V=_descriptor(v, cfg["BLOCK_N"], padded), Out=_descriptor(out, cfg["BLOCK_M"], padded))
+        _launch(
+            attn_fwd_kernel, (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
+            **tiles, Lse=lse, **_variant_arguments(options, tensors, q, shape),
+            **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
+            **_token_strides("o", out), **_lse_strides(lse),
+            USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded, **cfg,
+        )
+        return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors,
+                       dq, dk, dv, bias_grad: bool = False):
+    """Writes the gradients of :func:`attention_forward` into ``dq``/``dk``/``dv`` (possibly strided
+    buffers, such as the slices of a packed gradient); deterministic (no atomics). Returns the bias
+    gradient reduced to the bias's shape when ``bias_grad``, else None."""
+    shape = _shape(q, k, options, tensors)
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
+    lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
+    padded = configs.block_d(head_dim)
+    dkdv_cfg, dq_cfg = configs.bwd_configs(padded, q.dtype)
+    variant = _variant_arguments(options, tensors, q, shape)
+    dbias = None
+    if bias_grad:
+        if batch * nheads_q * seqlen_q * seqlen_k > configs.INT32_MAX:
+            raise ValueError(f"the bias gradient (batch, nheads, seqlen_q, seqlen_k) = "
+                             f"{(batch, nheads_q, seqlen_q, seqlen_k)} exceeds 32-bit offsets")
+        # zeros: entries in blocks that the window skips are never written
+        dbias = torch.zeros((batch, nheads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
+    with launch_device(q):
+        delta = torch.empty_like(lse)
+        _launch(
+            attn_bwd_preprocess_kernel, (cdiv(seqlen_q, 64), nheads_q, batch),
+            Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
+            **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
+            seqlen_q=seqlen_q, IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim, BLOCK_D=padded, BLOCK_M=64,
+        )
+        shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
+                      **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
+                      **_token_strides("do", dout), **_lse_strides(lse),
+                      sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=padded)
+        _launch(
+            attn_bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch),
+            DK=dk, DV=dv, DBias=q if dbias is None else dbias, **_token_strides("dk", dk),
+            **_token_strides("dv", dv), BIAS_GRAD=bias_grad, **shared, **dkdv_cfg,
+        )
+        _launch(
+            attn_bwd_dq_kernel, (cdiv(seqlen_q, dq_cfg["BLOCK_M"]), nheads_q, batch),
+            DQ=dq, **_token_strides("dq", dq), **shared, **dq_cfg,
+        )
+    if dbias is not None:
+        dbias = dbias.sum_to_size(tensors.attn_bias.shape).to(tensors.attn_bias.dtype)
+    return dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention against a KV cache, and merging partial results
+
+
+@functools.lru_cache(maxsize=4096)  # a decoding loop asks the same question every step; the scan costs µs
+def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, max_splits: int = 128) -> int:
+    """Split count for ``num_programs`` (batch · nheads_k · query blocks) programs, flash-attn 2's rule.
+
+    Memory-bound decoding needs every SM streaming: with fewer programs than about two
+    per SM, the key range is split. Among the split counts that change the number of
+    blocks per split, take the smallest whose wave efficiency (programs / (waves · slots))
+    is within 85% of the best one. Splits never exceed the number of key blocks.
+    """
+    slots = 2 * num_sms  # two resident programs per SM
+    if num_programs >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, num_key_blocks))
+
+    def eligible(s: int) -> bool:  # a split count that leaves the blocks per split unchanged is pointless
+        return s == 1 or math.ceil(num_key_blocks / s) != math.ceil(num_key_blocks / (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = num_programs * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1) if eligible(s))
+    return next(s for s in range(1, max_splits + 1) if eligible(s) and efficiency(s) >= 0.85 * best)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return cuda_properties(device).multi_processor_count
+    return 1  # the interpreter runs one program at a time
+
+
+def split_plan(batch, seqlen_q, group_size, nheads_k, padded_head_dim, dtype, max_seqlen_k, device, num_splits=0,
+               config=None):
+    """→ (block config, query-row blocks, split count) of a call; num_splits 0 = heuristic.
+
+    The heuristic sees the cache's capacity (max_seqlen_k), not the valid lengths, which
+    live on the device: reading them would cost a host sync per decoding step.
+    """
+    cfg = dict(configs.decode_config(padded_head_dim, dtype, seqlen_q * group_size), **(config or {}))
+    num_m_blocks = cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
+    num_key_blocks = max(1, cdiv(max_seqlen_k, cfg["BLOCK_N"]))
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(batch * nheads_k * num_m_blocks, _num_sms(device), num_key_blocks)
+    return cfg, num_m_blocks, min(num_splits, num_key_blocks)
+
+
+def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                              options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
+                              config: dict | None = None):
+    """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D] or paged [num_blocks, page_size, Hk, D] with
+    block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
+    append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
+    [B, Hq] float32; num_splits 0 = heuristic; ``config`` overrides the block shapes (benchmark
+    tuning). → (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    group_size = nheads_q // nheads_k
+    paged = block_table is not None
+    max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    softcap = options.softcap
+    padded = configs.block_d(head_dim)
+    cfg, num_m_blocks, num_splits = split_plan(batch, seqlen_q, group_size, nheads_k, padded, q.dtype,
+                                               max_seqlen_k, q.device, num_splits, config)
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        # one split: the kernel's partial result is the final one, written in q's dtype
+        out_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        out_part = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    # tensors a configuration does not use are passed as (unread) stand-ins
+    table = block_table if paged else seqlens_k[:, None]
+    slopes = seqlens_k[:, None] if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)
+    with launch_device(q):
+        _launch(
+            kvcache_attn_fwd_kernel, (num_m_blocks, batch * nheads_k, num_splits),
+            Q=q, K=k_cache, V=v_cache, Out=out_part, Lse=lse_part, SeqlensK=seqlens_k,
+            CacheBatchIdx=seqlens_k if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
+            AlibiSlopes=slopes,
+            **_strides("q", "bshd", q.stride()), **_strides("k", "bshd", k_cache.stride()),
+            **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", out_part.stride()),
+            **_strides("l", "pbhs", lse_part.stride()), **_strides("t", "bn", table.stride()),
+            **_strides("a", "bh", slopes.stride()),
+            nheads_k=nheads_k, group_size=group_size, seqlen_q=seqlen_q, num_splits=num_splits,
+            page_size=k_cache.shape[1], qk_scale=options.softmax_scale * LOG2E,
+            softcap_scale=options.softmax_scale / softcap if softcap > 0 else 0.0, softcap_log2=softcap * LOG2E,
+            window_left=options.window_left, window_right=options.window_right,
+            IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+            MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
+            HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+            HEAD_DIM=head_dim, BLOCK_D=padded, DOT_PRECISION=configs.dot_precision(q.dtype), **cfg,
+        )
+        if num_splits > 1:
+            merge_states_into(out_part, lse_part, out, lse)
+    return out, lse
+
+
+def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """outs [P, N, S, H, D], lses [P, N, H, S] (any strides) merged into out [N, S, H, D] (any float
+    dtype) and lse [N, H, S] float32, written in place."""
+    _, n, seqlen, nheads, head_dim = outs.shape
+    if out.numel() == 0 and lse.numel() == 0:
+        return
+    block_s = min(16, next_power_of_2(seqlen))
+    with launch_device(outs):
+        _launch(
+            merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
+            **_strides("o", "pnshd", outs.stride()), **_strides("l", "pnhs", lses.stride()),
+            **_strides("m", "nshd", out.stride()), **_strides("L", "nhs", lse.stride()),
+            num_parts=outs.shape[0], seqlen=seqlen,
+            HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_S=block_s,
+        )
