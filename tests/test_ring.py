@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from helpers import DTYPES, assert_accurate, references
 
 import flashtile
-from flashtile.distributed import _block_plan, gather_sequence, ring_flash_attn_func, shard_sequence
+from flashtile.distributed import block_plan, gather_sequence, ring_flash_attn_func, shard_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,7 +224,7 @@ def test_zigzag_gives_every_rank_the_same_causal_work(world_size):
     def work(rank, layout):
         total = 0.0
         for step in range(world_size):
-            plan = _block_plan((rank - step) % world_size, rank, True, layout, local, local)
+            plan = block_plan((rank - step) % world_size, rank, True, layout, local, local)
             if plan is not None:
                 rows, cols, causal = plan
                 total += len(range(local)[rows]) * len(range(local)[cols]) * (0.5 if causal else 1.0)

@@ -247,6 +247,13 @@ def test_unsupported_arguments_are_refused():
         integration.attention_forward(tile.model.layers[0].self_attn, q, k, k, None, s_aux=torch.zeros(4))
 
 
+def test_output_attentions_warns_that_no_weights_are_formed():
+    _, tile = models("llama")
+    with pytest.warns(UserWarning, match="never forms the attention weights"):
+        outputs = tile(random_ids(1, 8), output_attentions=True)
+    assert outputs.attentions == ()  # what the model returns: no weights, now said out loud
+
+
 def _python(code):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 

@@ -154,7 +154,7 @@ class _Pass:
         return self.received
 
 
-def _block_plan(step_source: int, rank: int, causal: bool, layout: str, seqlen_q: int, seqlen_k: int):
+def block_plan(step_source: int, rank: int, causal: bool, layout: str, seqlen_q: int, seqlen_k: int):
     """What rank ``rank`` computes against the K/V of rank ``step_source``.
 
     → ``None`` (nothing visible) or ``(query slice, key slice, causal)`` into the local
@@ -178,7 +178,7 @@ def _ring_forward(q, k, v, softmax_scale, causal, layout, ring: _Ring):
     out = lse = None  # float32 running merge: out [B, Nq, H, D], lse [B, H, Nq]
     for step in range(ring.world_size):
         incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
-        plan = _block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
+        plan = block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
         if plan is not None:
             rows, cols, block_causal = plan
             block_out, block_lse = attention_forward(
@@ -202,7 +202,7 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, layout, ring:
     dkv_pass = None  # the float32 dK/dV of the K/V in hand, accumulated by the ranks before
     for step in range(ring.world_size):
         incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
-        plan = _block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
+        plan = block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
         if plan is not None:
             rows, cols, block_causal = plan
             block_dq, block_dk, block_dv = attention_backward(

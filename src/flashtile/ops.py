@@ -39,12 +39,34 @@ from ._options import AttentionOptions, AttentionTensors, fold_causal
 from .triton import launch
 from .triton._interpreter import interpreting
 
-__all__ = ["attention_backward", "attention_forward", "bwd_op", "fwd_op", "kvcache_attention", "merge_states",
-           "uses_triton"]
+__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_op", "kvcache_attention",
+           "merge_states", "uses_triton"]
+
+BACKENDS = {
+    "cuda": "the Triton kernels on the GPU (on sm_90 the plain forward is the Gluon kernel)",
+    "interpreter": "the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1): exact, slow",
+    "cpu": "the PyTorch path: the tiled FlashAttention reference in PyTorch, O(N) memory",
+}
+
+
+def backend(device=None) -> str:
+    """The path flashtile's calls take for tensors on a device: "cuda", "interpreter" or "cpu"
+    (``flashtile.ops.BACKENDS`` says what each is). The one place that decides it: every operator
+    dispatches by this rule.
+
+    Arguments:
+        device: a torch.device or string; default the GPU if there is one, else the CPU.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        return "cuda"
+    return "interpreter" if interpreting() else "cpu"
 
 
 def uses_triton(t: torch.Tensor) -> bool:
-    """Whether tensors on ``t``'s device run the Triton kernels (else the PyTorch reference)."""
+    """Whether tensors on ``t``'s device run the Triton kernels (else the PyTorch path); the same
+    rule as :func:`backend`, without building a device object on every call."""
     return t.is_cuda or interpreting()
 
 

@@ -43,13 +43,16 @@ How transformers' arguments map onto flashtile (the contract of its
 * ``sliding_window=w``: ``window_size=(w − 1, w − 1)`` (a query sees w keys counting
   itself; causal makes the right side 0); ``softcap`` passed through; dropout only in
   training; GQA natively. Returns ``(attn_output (batch, seqlen_q, nheads, headdim),
-  None)``: attention weights are never formed.
+  None)``: attention weights are never formed (``output_attentions=True`` warns and returns
+  none, as flash-attn's and SDPA's integrations do).
 
 Not supported (refused with NotImplementedError): attention sinks (``s_aux``),
 ``position_bias`` (T5-style), ``softcap`` together with a 4-D mask.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -100,6 +103,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"flashtile's transformers integration does not support {name}; "
                                       f"use attn_implementation='eager' for this model")
+    if kwargs.get("output_attentions"):
+        # as flash-attn's and SDPA's integrations do: the call goes on, without weights
+        warnings.warn("flashtile never forms the attention weights: output_attentions=True returns none "
+                      "(model outputs' attentions stay empty); use attn_implementation='eager' to get them",
+                      UserWarning, stacklevel=2)
     options = dict(
         dropout_p=dropout if module.training else 0.0,
         softmax_scale=scaling,

@@ -51,7 +51,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import dropout_keep, key_runs, masked_scores_log2, query_runs, run_bounds, tanh
+from .scores import dropout_keep, key_runs, masked_scores_log2, normalise, query_runs, run_bounds, tanh
 
 
 @triton.jit
@@ -231,9 +231,7 @@ def attn_fwd_kernel(
             USE_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    out, lse = normalise(acc, l_i, m_i)
     if USE_TMA:
         # the copy engine clips rows past seqlen_q and the padded head dims
         Out.store([i_b, i_m * BLOCK_M, i_hq, 0], out.to(Out.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))

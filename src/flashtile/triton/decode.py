@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import is_visible, key_range, scores_log2
+from .scores import is_visible, key_range, normalise, scores_log2
 
 
 @triton.jit
@@ -129,9 +129,7 @@ def kvcache_attn_fwd_kernel(
         m_i = m_new
 
     # a split that saw no key writes output 0 and lse -inf: the merge gives it weight 0
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    out, lse = normalise(acc, l_i, m_i)
     out_base = Out + i_split * stride_op + i_b.to(tl.int64) * stride_ob
     p_o = out_base + o_q[:, None] * stride_os + o_hq[:, None] * stride_oh + o_d[None, :] * stride_od
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .scores import normalise
+
 
 @triton.jit
 def merge_states_kernel(
@@ -55,9 +57,7 @@ def merge_states_kernel(
         acc = acc * alpha[:, None] + weight[:, None] * b_o
         m_i = m_new
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    out, lse = normalise(acc, l_i, m_i)
     p_out = Out + i_n * stride_mn + i_h * stride_mh + o_s[:, None] * stride_ms + o_d[None, :] * stride_md
     tl.store(p_out, out.to(Out.dtype.element_ty), mask=m_sd)
     tl.store(Lse + i_n * stride_Ln + i_h * stride_Lh + o_s * stride_Ls, lse, mask=m_s)

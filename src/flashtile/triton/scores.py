@@ -1,4 +1,4 @@
-"""Score modifiers and visibility, shared by every flashtile attention kernel.
+"""Score modifiers, visibility and the online softmax's end, shared by every flashtile Triton kernel.
 
 A kernel computes the raw product ``qk = q · k`` of a block and turns it into
 base-2 scores for ``exp2`` (``log2 e`` folded in), in this order, each step
@@ -195,6 +195,18 @@ def run_bounds(RUN: tl.constexpr, lo, full_lo, full_hi, hi):
         start = full_hi
         end = hi
     return start, end
+
+
+@triton.jit
+def normalise(acc, l_i, m_i):
+    """The online softmax's end: (out = acc / ℓ, natural-log lse = (m + log2 ℓ) · ln 2) from the
+    base-2 running state, with out 0 and lse −inf on a row that saw no key (ℓ = 0). ``log2`` takes
+    ℓ = 1 there: the interpreter evaluates both sides of ``tl.where``, and log2(0) would warn."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    return out, lse
 
 
 @triton.jit
