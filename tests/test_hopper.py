@@ -11,6 +11,7 @@ from helpers import DEVICE, check_flash_attn_func, make_inputs
 
 import flashtile
 from flashtile._options import AttentionOptions, AttentionTensors
+from flashtile import gluon
 from flashtile.gluon import sm90_fwd
 from flashtile.triton import configs, launch
 
@@ -111,3 +112,13 @@ def test_gluon_only_where_it_applies(monkeypatch):
     assert not launch.gluon_usable(full, AttentionTensors(), q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
     monkeypatch.setattr(launch, "_is_sm90", lambda device: False)
     assert not usable()
+
+
+def test_gluon_only_with_the_triton_it_is_written_for(monkeypatch):
+    # Gluon's API changes between Triton releases: another series runs the Triton kernels
+    assert gluon.written_for("3.6.0") and gluon.written_for("3.6.1")
+    assert not gluon.written_for("3.5.1") and not gluon.written_for("3.7.0")
+    monkeypatch.setattr(launch, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(launch, "sm90_fwd", None)  # what the launcher holds under another series
+    q = torch.randn(1, configs.GLUON_MIN_SEQLEN[64, True], 2, 128).to(torch.bfloat16)
+    assert not launch.gluon_usable(AttentionOptions(0.1), AttentionTensors(), q, q, q)

@@ -104,6 +104,16 @@ def test_all_parts_neg_inf_give_zero_and_neg_inf(backend):
     assert torch.isfinite(out).all() and torch.isfinite(lse[1]).all()
 
 
+def test_pos_inf_lse_is_an_empty_part(backend):
+    # flash-attn 2 writes +inf as the log-sum-exp of a row that saw no key: an empty part, not NaN
+    outs, lses = random_states(3, seed=9)
+    marked = lses.clone()
+    marked[1] = math.inf
+    emptied = lses.clone()
+    emptied[1] = -math.inf
+    assert_states_close(merge_split_attention_states(outs, marked), merge_split_attention_states(outs, emptied))
+
+
 def test_leading_dims_and_non_contiguous_inputs(backend):
     # a split-KV layout: outs [P, B, S, H, D] as a strided view, and no leading dims at all
     outs, lses = random_states(2, seed=6, shape=(3, 5, 4, 24))
@@ -131,3 +141,7 @@ def test_bad_shapes_raise_clear_errors():
         merge_split_attention_states(outs[:, 0, 0], lses[:, 0, 0])
     with pytest.raises(TypeError, match="floating-point"):
         merge_split_attention_states(outs.int(), lses)
+    with pytest.raises(TypeError, match="outs must be float16, bfloat16 or float32, got torch.float64"):
+        merge_split_attention_states(outs.double(), lses)
+    with pytest.raises(ValueError, match=r"out_a \(2, 9, 3, 40\) and out_b \(2, 8, 3, 40\) must have the same shape"):
+        merge_attention_states(outs[0], lses[0], outs[1][:, :8], lses[1][..., :8])

@@ -12,6 +12,7 @@ with test_varlen.py and test_reference.py about a minute.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import (DEVICE, assert_accurate, check_flash_attn_func, check_outputs, make_inputs, references,
@@ -277,6 +278,14 @@ def _small():
     return make_inputs(2, 16, 16, 4, 2, 32, torch.float16)[:3]
 
 
+def test_window_accepts_integer_like_bounds(backend):
+    # flash-attn's own tests draw window_size as integer tensors; numpy ints count too
+    q, k, v = _small()
+    expected = flashtile.flash_attn_func(q, k, v, window_size=(3, 1))
+    for window in ((torch.tensor(3), torch.tensor(1)), (np.int64(3), np.int32(1)), [3, 1]):
+        torch.testing.assert_close(flashtile.flash_attn_func(q, k, v, window_size=window), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
@@ -290,9 +299,17 @@ def _small():
         (dict(softcap=-1.0), ValueError, "softcap"),
         (dict(dropout_p=-0.1), ValueError, "dropout_p"),
         (dict(dropout_p=1.0), ValueError, "dropout_p"),
+        (dict(window_size=(True, 0)), ValueError, "window_size"),
+        (dict(softcap=math.nan), ValueError, "softcap must be finite"),
+        (dict(softcap=None), TypeError, "softcap must be a number, got NoneType"),
+        (dict(softmax_scale=math.nan), ValueError, "softmax_scale must be finite"),
+        (dict(softmax_scale=math.inf), ValueError, "softmax_scale must be finite"),
+        (dict(softmax_scale="x"), TypeError, "softmax_scale must be a number, got str"),
+        (dict(dropout_p=None), TypeError, "dropout_p must be a number"),
     ],
     ids=["window-len1", "window-below-minus-1", "window-float", "window-int", "alibi-length", "alibi-rank",
-         "alibi-dtype", "softcap-negative", "dropout-negative", "dropout-one"],
+         "alibi-dtype", "softcap-negative", "dropout-negative", "dropout-one", "window-bool", "softcap-nan",
+         "softcap-none", "scale-nan", "scale-inf", "scale-str", "dropout-none"],
 )
 def test_bad_variant_arguments_raise(kwargs, error, message):
     if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):

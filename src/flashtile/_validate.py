@@ -11,6 +11,8 @@ from ``flashtile._options``, which the reference shares.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
 
@@ -85,12 +87,36 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
             raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
 
 
+def _integer(value) -> int | None:
+    """``value`` as an int if it is integer-like — a Python or numpy int, or a 0-d integer tensor —
+    else None. A bool is not an int here: ``(True, 0)`` is far more likely a mistake."""
+    if isinstance(value, torch.Tensor):
+        integral = value.dim() == 0 and not value.is_floating_point() and not value.is_complex()
+        return int(value) if integral and value.dtype != torch.bool else None
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def window(window_size, causal: bool) -> tuple[int, int]:
     """(left, right) of a valid ``window_size`` with causal folded in (right = 0)."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+    bounds = [_integer(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
+    if len(bounds) != 2 or not all(w is not None and w >= -1 for w in bounds):
         raise ValueError(f"window_size must be a pair of ints ≥ -1 (-1 = unbounded), got {window_size!r}")
-    return fold_causal(window_size, bool(causal))
+    return fold_causal(bounds, bool(causal))
+
+
+def finite_number(name: str, value) -> float:
+    """A real number (int, float or numpy scalar; not bool) that is finite → float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 
 def check_alibi(alibi_slopes, batch: int, nheads: int, device):
@@ -108,15 +134,17 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
 
 
 def check_softcap(softcap) -> float:
-    if not isinstance(softcap, (int, float)) or softcap < 0:
+    softcap = finite_number("softcap", softcap)
+    if softcap < 0:
         raise ValueError(f"softcap must be a number ≥ 0 (0 = off), got {softcap!r}")
-    return float(softcap)
+    return softcap
 
 
 def check_dropout(dropout_p) -> float:
+    dropout_p = finite_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return dropout_p
 
 
 def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout_p=0.0,
@@ -124,6 +152,8 @@ def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap
     """The validated options of one call, with the defaults applied."""
     softcap, dropout_p = check_softcap(softcap), check_dropout(dropout_p)
     left, right = window(window_size, causal)
+    if softmax_scale is not None:
+        softmax_scale = finite_number("softmax_scale", softmax_scale)
     return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
                             max_seqlen_q, max_seqlen_k)
 
@@ -239,12 +269,16 @@ def check_num_splits(num_splits) -> int:
 
 
 def check_states(outs, lses) -> None:
-    """outs [P, ..., seqlen, nheads, headdim] and lses [P, ..., nheads, seqlen], floating point."""
+    """outs [P, ..., seqlen, nheads, headdim] float16/bfloat16/float32 and lses [P, ..., nheads,
+    seqlen], floating point (the merge weighs in float32: float64 outputs would be merged at float32
+    precision, so they are refused rather than silently rounded)."""
     for name, t in (("outs", outs), ("lses", lses)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if outs.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"outs must be float16, bfloat16 or float32, got {outs.dtype}")
     if outs.dim() < 4:
         raise ValueError(f"outs must be [P, ..., seqlen, nheads, headdim], got shape {tuple(outs.shape)}")
     expected = (*outs.shape[:-3], outs.shape[-2], outs.shape[-3])
@@ -254,3 +288,13 @@ def check_states(outs, lses) -> None:
         )
     if outs.device != lses.device:
         raise ValueError(f"outs and lses must be on one device, got {outs.device}, {lses.device}")
+
+
+def check_state_pair(out_a, lse_a, out_b, lse_b) -> None:
+    """Two partial results to merge have the same shapes."""
+    for name, a, b in (("out", out_a, out_b), ("lse", lse_a, lse_b)):
+        for part, t in (("a", a), ("b", b)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}_{part} must be a torch.Tensor, got {type(t).__name__}")
+        if a.shape != b.shape:
+            raise ValueError(f"{name}_a {tuple(a.shape)} and {name}_b {tuple(b.shape)} must have the same shape")

@@ -10,7 +10,8 @@ This is the online-softmax merge (``reference.merge_softmax_states``) written
 for normalised outputs; it is what split-KV decoding, ring attention and prefix
 caching use. It is associative and order-free; a part with ``L_p = −inf`` (no
 visible key) contributes nothing, and if every part is −inf the result is
-output 0 and log-sum-exp −inf.
+output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's mark of a row that saw no
+key) counts as −inf: an empty part, not NaN.
 
 Layout (flash-attn's): outputs ``[..., seqlen, nheads, headdim]`` and
 log-sum-exps ``[..., nheads, seqlen]``, float32. The weights are formed in
@@ -55,4 +56,5 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     Returns:
         (out, lse) of the same shapes; lse float32.
     """
+    _validate.check_state_pair(out_a, lse_a, out_b, lse_b)
     return merge_split_attention_states(torch.stack((out_a, out_b)), torch.stack((lse_a, lse_b)))

@@ -19,8 +19,9 @@ overhead"). The operators have no autograd kernel, so :func:`attention_forward` 
 :func:`attention_backward` below refuse inputs that need grad rather than let PyTorch's fallback
 leave their gradients None.
 
-Device dispatch (:func:`uses_triton`): CUDA tensors run the Triton kernels
-(``flashtile.triton.launch``); CPU tensors run ``flashtile.reference``'s tiled algorithm (O(N)
+Device dispatch (:func:`backend`, :func:`uses_triton`): CUDA tensors run the Triton kernels
+(``flashtile.triton.launch``); CPU tensors run PyTorch's fused CPU attention where its semantics
+are flashtile's (``flashtile.cpu``) and ``flashtile.reference``'s tiled algorithm otherwise (O(N)
 memory), except under ``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the
 CPU. The KV-cache forward and the merge of partial results dispatch the same way.
 
@@ -34,7 +35,7 @@ import math
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from ._options import AttentionOptions, AttentionTensors, fold_causal
 from .triton import launch
 from .triton._interpreter import interpreting
@@ -45,7 +46,8 @@ __all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_
 BACKENDS = {
     "cuda": "the Triton kernels on the GPU (on sm_90 the plain forward is the Gluon kernel)",
     "interpreter": "the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1): exact, slow",
-    "cpu": "the PyTorch path: the tiled FlashAttention reference in PyTorch, O(N) memory",
+    "cpu": "the PyTorch path: PyTorch's fused CPU attention where its semantics are flashtile's (flashtile.cpu), "
+           "else the tiled FlashAttention reference; O(N) memory",
 }
 
 
@@ -119,6 +121,10 @@ def _fwd(q, k, v, *arguments):
         return q.new_zeros(q.shape), torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
     if uses_triton(q):
         return launch.attention_forward(q, k, v, options, tensors)
+    if cpu.fused_applies(q, k, options, tensors):
+        if tensors.is_varlen:
+            return cpu.varlen_attention_forward(q, k, v, options, tensors)
+        return cpu.fused_attention_forward(q, k, v, options)
     if tensors.is_varlen:
         out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
                                                             **_reference_arguments(options, tensors))
@@ -144,6 +150,14 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     if uses_triton(q):
         dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
+    if cpu.fused_applies(q, k, options, tensors):
+        if tensors.is_varlen:
+            grads = cpu.varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
+        else:
+            grads = cpu.fused_attention_backward(dout, q, k, v, out, lse, options)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+        return no_bias_grad
     if tensors.is_varlen:
         grads = reference.tiled_varlen_attention_backward(
             q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,

@@ -52,9 +52,10 @@ def merge_split_states(outs: torch.Tensor, lses: torch.Tensor):
     outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D] in outs' dtype,
     lse [..., H, S] float32), with ``L = log Σ_p exp(L_p)`` and ``O = Σ_p exp(L_p − L) · O_p``;
     the weights are formed in float32. A part with ``L_p = −inf`` contributes nothing; if
-    every part is −inf the result is output 0 and log-sum-exp −inf.
+    every part is −inf the result is output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's
+    mark of an empty row) is an empty part too.
     """
-    lses = lses.float()
+    lses = lses.float().masked_fill(torch.isposinf(lses), -math.inf)
     m = lses.amax(0)  # [..., H, S]
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     scales = torch.exp(lses - m_safe)  # [P, ..., H, S]; 0 for an empty part

@@ -27,8 +27,8 @@ import math
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import gluon
 from .._options import AttentionOptions, AttentionTensors
-from ..gluon import sm90_fwd
 from . import _interpreter, configs
 from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
 from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
@@ -36,6 +36,10 @@ from .decode import kvcache_attn_fwd_kernel
 from .merge import merge_states_kernel
 
 _interpreter.apply_fixes()
+if gluon.written_for():
+    from ..gluon import sm90_fwd
+else:  # another Triton's Gluon may not even import these kernels: the Triton kernels run everything
+    sm90_fwd = None
 
 __all__ = ["attention_forward", "attention_backward", "kvcache_attention_forward", "merge_states_into",
            "num_splits_heuristic", "split_plan"]
@@ -134,14 +138,15 @@ def _is_sm90(device: torch.device) -> bool:
 
 def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> bool:
-    """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: on an sm_90 GPU, for plain full
-    or causal attention in 16 bits at a head dim it has, with a positive softmax scale (it masks raw
-    scores before scaling them), from ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
+    """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
+    written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has,
+    with a positive softmax scale (it masks raw scores before scaling them), from
+    ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     plain = (options.window in ((-1, -1), (-1, 0)) and options.softcap == 0 and options.dropout_p == 0
              and tensors.alibi_slopes is None and tensors.attn_bias is None and not tensors.is_varlen)
-    return (plain and options.softmax_scale > 0 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.numel() > 0 and k.numel() > 0
+    return (plain and sm90_fwd is not None and options.softmax_scale > 0
+            and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
             and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v))
 

@@ -3,7 +3,7 @@
 ``L = log Σ_p exp(L_p)`` and ``O = Σ_p exp(L_p − L) · O_p`` (``flashtile.reference.softmax``
 states it), walked once over the parts with a running maximum in base 2, as the attention forward
 walks key blocks. A part with ``L_p = −inf`` has weight 0; if every part is −inf the result is
-output 0 and log-sum-exp −inf.
+output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's mark of an empty row) is an empty part.
 
 Layout: outputs [P, N, S, H, D] and log-sum-exps [P, N, H, S] (any strides) merged into
 [N, S, H, D] (any float dtype) and [N, H, S] float32.
@@ -46,6 +46,7 @@ def merge_states_kernel(
     acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     for i_p in range(0, num_parts):
         b_lse = tl.load(p_lses + i_p * stride_lp, mask=m_s, other=float("-inf")).to(tl.float32)  # [BLOCK_S]
+        b_lse = tl.where(b_lse == float("inf"), float("-inf"), b_lse)  # flash-attn 2's empty row: an empty part
         b_lse2 = b_lse * 1.4426950408889634  # * log2(e)
         # -- a part with L = -inf has weight 0; exponentiate against 0 while every part so far is -inf
         m_new = tl.maximum(m_i, b_lse2)
