@@ -15,9 +15,9 @@ so it can stand in for the tiled reference wherever the two agree exactly:
 
 Inputs are widened to float32 before the call (exactly: every bfloat16 and float16 is a float32),
 as flashtile's kernels compute: on 16-bit inputs PyTorch's kernel returned log-sum-exps ~5e-5 off
-float64 (measured at 2×4×37×40), where flashtile keeps them within 1e-5. The speed of that choice is
-in benchmarks/NOTES.md, "The CPU path". GQA/MQA repeat K/V over the query group (O(N) memory) and
-sum dK/dV back over it. Everything else runs ``flashtile.reference``'s tiled algorithm.
+float64 (measured at 2×4×37×40), where flashtile keeps them within 1e-5; benchmarks/NOTES.md, "The
+CPU path", has the speed. GQA/MQA run without K/V copies where the mask allows (:class:`_Layout`).
+Everything else runs ``flashtile.reference``'s tiled algorithm.
 """
 
 from __future__ import annotations
@@ -55,30 +55,66 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, t
     return _pytorch_causal(options, q.shape[1], k.shape[1]) is not None
 
 
-def _heads_first(t: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """[B, N, H, D] → float32 [B, H·group, N, D] (K/V repeated over a GQA group of queries)."""
-    t = t.transpose(1, 2).float()
-    return t.repeat_interleave(group, dim=1) if group > 1 else t
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[B, N, H, D] → float32 [B, H, N, D]."""
+    return t.transpose(1, 2).float()
+
+
+class _Layout:
+    """How one call's tensors meet PyTorch's kernel, which wants as many K/V heads as query heads.
+
+    Full attention folds each GQA group of query heads into the query rows of its KV head: query
+    rows are independent, so [B, Hk, G·Nq, D] against [B, Hk, Nk, D] is the same attention with no
+    K/V copy, and dK/dV come out summed over the group. A causal mask depends on the row's
+    position, so causal attention repeats K/V over the group instead (and sums dK/dV back).
+    """
+
+    def __init__(self, q, k, options: AttentionOptions):
+        self.batch, self.seqlen_q, self.nheads_q = q.shape[:3]
+        self.nheads_k = k.shape[2]
+        self.group = self.nheads_q // self.nheads_k
+        self.causal = _pytorch_causal(options, q.shape[1], k.shape[1])
+        self.fold = self.group > 1 and not self.causal
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """q, out or dout [B, Nq, Hq, D] → float32 [B, H, rows, D] as the kernel takes them."""
+        t = _heads_first(t)
+        return t.reshape(self.batch, self.nheads_k, self.group * self.seqlen_q, -1) if self.fold else t
+
+    def keys(self, t: torch.Tensor) -> torch.Tensor:
+        """k or v [B, Nk, Hk, D] → float32 [B, H, Nk, D]."""
+        t = _heads_first(t)
+        return t.repeat_interleave(self.group, dim=1) if self.group > 1 and not self.fold else t
+
+    def unfold_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The kernel's [B, H, rows, ...] → [B, Hq, Nq, ...]."""
+        return t.reshape(self.batch, self.nheads_q, self.seqlen_q, *t.shape[3:]) if self.fold else t
+
+    def fold_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """lse [B, Hq, Nq] → the kernel's [B, H, rows]."""
+        return lse.reshape(self.batch, self.nheads_k, self.group * self.seqlen_q) if self.fold else lse
+
+    def sum_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """The kernel's dK or dV [B, H, Nk, D] → [B, Hk, Nk, D]."""
+        return t.unflatten(1, (self.nheads_k, self.group)).sum(2) if self.group > 1 and not self.fold else t
 
 
 def fused_attention_forward(q, k, v, options: AttentionOptions):
     """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts."""
-    group = q.shape[2] // k.shape[2]
-    causal = _pytorch_causal(options, q.shape[1], k.shape[1])
-    out, lse = _FORWARD(_heads_first(q), _heads_first(k, group), _heads_first(v, group), 0.0, causal,
+    layout = _Layout(q, k, options)
+    out, lse = _FORWARD(layout.rows(q), layout.keys(k), layout.keys(v), 0.0, layout.causal,
                         scale=options.softmax_scale)
+    out, lse = layout.unfold_rows(out), layout.unfold_rows(lse)
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse
 
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions):
     """→ (dq, dk, dv) in the inputs' layouts (float32), P rebuilt from ``lse``."""
-    group = q.shape[2] // k.shape[2]
-    causal = _pytorch_causal(options, q.shape[1], k.shape[1])
-    dq, dk, dv = _BACKWARD(_heads_first(dout), _heads_first(q), _heads_first(k, group), _heads_first(v, group),
-                           _heads_first(out), lse.contiguous(), 0.0, causal, scale=options.softmax_scale)
-    if group > 1:  # the gradient of repeat_interleave: sum over each KV head's group of query heads
-        dk, dv = (g.unflatten(1, (k.shape[2], group)).sum(2) for g in (dk, dv))
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    layout = _Layout(q, k, options)
+    dq, dk, dv = _BACKWARD(layout.rows(dout), layout.rows(q), layout.keys(k), layout.keys(v), layout.rows(out),
+                           layout.fold_lse(lse.contiguous()), 0.0, layout.causal, scale=options.softmax_scale)
+    dk, dv = layout.sum_keys(dk), layout.sum_keys(dv)
+    return layout.unfold_rows(dq).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _sequences(tensors: AttentionTensors):
