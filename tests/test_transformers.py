@@ -269,4 +269,4 @@ def test_missing_transformers_raises_a_clear_import_error():
                      "from flashtile.integrations.transformers import register\n"
                      "try:\n    register()\nexcept ImportError as e:\n    print(e)")
     assert result.returncode == 0, result.stderr
-    assert "pip install 'flashtile[transformers]'" in result.stdout
+    assert "pip install 'transformers>=4.53'" in result.stdout

@@ -59,7 +59,7 @@ import torch
 from ..interface import attention, flash_attn_func, flash_attn_varlen_func
 
 DEFAULT_NAME = "tile_attention"
-_INSTALL_HINT = "install it with: pip install 'flashtile[transformers]'"
+_INSTALL_HINT = "install it with: pip install 'transformers>=4.53'"
 _UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
