@@ -2,10 +2,12 @@
 
 Kept small because flashtile runs under Triton's interpreter on the CPU (~0.15 s per kernel
 launch, ~18 launches per measurement): tiny shapes, few of them, and timing budgets of 0 ms
-(one warmup call and one timed call per measurement).
+(one warmup call and the fewest timed calls, MIN_CPU_REPEATS); the noise warning and the
+``—`` of a backward within noise are forced with a fake timer.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import types
@@ -13,8 +15,13 @@ import types
 import pytest
 import torch
 
+import flashtile.cli.bench
 from flashtile.cli import main
-from flashtile.cli.bench import Shape, forward_flops, gpu_state
+from flashtile.cli.bench import Shape, forward_flops, gpu_state, provider_names
+from flashtile.cli.bench.providers import PROVIDERS
+from flashtile.cli.bench.report import number_text
+from flashtile.cli.bench.spread import spread_fields
+from flashtile.cli.bench.timing import MIN_CPU_REPEATS
 
 TINY = ["--batch", "1", "--nheads", "2", "--headdims", "16", "--warmup", "0", "--rep", "0"]
 
@@ -48,9 +55,10 @@ def test_json_has_environment_and_every_measurement(square_run, device):
     assert all(r["max_diff_vs_flashtile"] < r["error_bound"] for r in records if r["provider"] == "sdpa_math")
 
 
-def test_tables_and_plots_are_written(square_run):
+def test_tables_and_plots_are_written(square_run, device):
     out_dir, stdout = square_run
-    assert "bf16 hdim 16 non-causal, batch 1, nheads 2 — fwd / bwd TFLOP/s" in stdout
+    unit = "TFLOP/s" if device == "cuda" else "GFLOP/s"
+    assert f"bf16 hdim 16 non-causal, batch 1, nheads 2 — fwd / bwd {unit}, median ±spread" in stdout
     for row in ("flashtile", "sdpa_math", "flashtile/sdpa_math"):  # cells "fwd / bwd"
         assert sum(line.split()[:1] == [row] and line.count(" / ") == 2 for line in stdout.splitlines()) == 1
     assert "N=32" in stdout and "N=48" in stdout
@@ -59,24 +67,115 @@ def test_tables_and_plots_are_written(square_run):
     assert [p.name for p in out_dir.glob("*.png")] == ["bf16_hdim_16_non_causal_batch_1_nheads_2.png"]
 
 
-def test_compare_flags_a_slowdown_beyond_the_threshold(square_run, tmp_path, capsys):
-    out_dir, _ = square_run
-    before = out_dir / "bench.json"
-    assert main(["bench", "--compare", str(before), str(before)]) == 0
-    assert "+0.0%" in capsys.readouterr().out
+def test_spread_fields_are_the_quantiles_of_the_repeats():
+    assert spread_fields("fwd", [5.0, 1.0, 2.0, 4.0, 3.0]) == pytest.approx(
+        dict(fwd_ms=3.0, fwd_ms_min=1.0, fwd_ms_p20=1.8, fwd_ms_p80=4.2, fwd_ms_max=5.0, fwd_repeats=5))
 
-    slower = json.loads(before.read_text())
-    rates = sum(r.get(f"{mode}_tflops") is not None for r in slower["measurements"] if r["provider"] == "flashtile"
-                for mode in ("fwd", "bwd", "fwd_bwd"))
-    for r in slower["measurements"]:
-        if r["provider"] == "flashtile" and r["seqlen_q"] == 48:
-            r["fwd_tflops"] /= 1.05
-    after = tmp_path / "after.json"
-    after.write_text(json.dumps(slower))
-    assert main(["bench", "--compare", str(before), str(after)]) == 1
-    out = capsys.readouterr().out
-    assert "(-4.8%)" in out and f"1 of {rates} slower by more than 3%" in out
-    assert main(["bench", "--compare", str(before), str(after), "--threshold", "5"]) == 0
+
+def _table_row(stdout: str, provider: str) -> str:
+    return next(line for line in stdout.splitlines() if line.split()[:1] == [provider] and " / " in line)
+
+
+def test_rates_are_in_gflops_on_the_cpu(square_run, device):
+    out_dir, stdout = square_run
+    results = json.loads((out_dir / "bench.json").read_text())
+    unit, per_tflops = ("TFLOP/s", 1) if device == "cuda" else ("GFLOP/s", 1e3)
+    assert results["settings"]["rate_unit"] == unit
+    flashtile_32 = next(r for r in results["measurements"] if r["provider"] == "flashtile" and r["seqlen_q"] == 32)
+    row = _table_row(stdout, "flashtile")
+    assert row.split()[1] == number_text(flashtile_32["fwd_tflops"] * per_tflops)  # the first cell's fwd rate
+
+
+def test_every_timing_records_its_spread(square_run, device):
+    out_dir, stdout = square_run
+    for r in json.loads((out_dir / "bench.json").read_text())["measurements"]:
+        for mode in ("fwd", "fwd_bwd"):
+            low, p20, median, p80, high = (r[f"{mode}_ms{s}"] for s in ("_min", "_p20", "", "_p80", "_max"))
+            assert 0 < low <= p20 <= median <= p80 <= high, r
+            if device == "cpu":  # --rep 0: no more than the fewest, which must be several for a spread
+                assert r[f"{mode}_repeats"] == MIN_CPU_REPEATS >= 3
+        # bwd = (fwd+bwd) − fwd, with the widest range the two allow
+        assert r["bwd_ms_p20"] == pytest.approx(r["fwd_bwd_ms_p20"] - r["fwd_ms_p80"])
+        assert r["bwd_ms_max"] == pytest.approx(r["fwd_bwd_ms_max"] - r["fwd_ms_min"])
+    row = _table_row(stdout, "flashtile")
+    assert row.count("±") == 4  # fwd and bwd at N=32 and N=48
+
+
+def _fake_timer(times_ms):
+    """A repeat timer that returns ``times_ms[name of the timed function]`` without running it."""
+    return lambda device, warmup_ms, rep_ms: lambda fn: times_ms[fn.__name__]
+
+
+def _run(argv) -> str:
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(["bench", *argv]) == 0
+    return stdout.getvalue()
+
+
+QUIET_TIMES = {"forward": [1.0, 1.0, 1.01, 1.02, 1.02], "forward_backward": [3.5, 3.5, 3.51, 3.52, 3.52]}
+IDLE = dict(load_1min=0.1, cpus=2, busy=False)
+
+
+def test_disagreeing_repeats_warn_once_per_run(monkeypatch, tmp_path):
+    times = dict(QUIET_TIMES, forward=[1.0, 1.0, 1.0, 1.5, 1.5])  # p20 1, median 1, p80 1.5
+    monkeypatch.setattr(flashtile.cli.bench, "make_repeat_timer", _fake_timer(times))
+    monkeypatch.setattr(flashtile.cli.bench, "cpu_load", lambda: IDLE)
+    stdout = _run(["--seqlens", "32", "--providers", "flashtile", *TINY, "--out-dir", str(tmp_path)])
+    assert stdout.count("warning: these timings may be noise") == 1  # two cases, one warning
+    assert "the repeats of 2 of 4 timings disagree by more than 20% of their median (p80 − p20), worst 50%" in stdout
+    assert _table_row(stdout, "flashtile").split()[1:3] == ["0.131", "±25%!"]  # 4·1·2·16·32² flops in 1 ms
+    noise = json.loads((tmp_path / "bench.json").read_text())["noise"]
+    assert noise["warning"] in stdout and noise["threshold"] == 0.2 and noise["load"] == IDLE
+    assert [(n["mode"], n["spread"]) for n in noise["noisy"]] == [("fwd", 0.5)] * 2
+    assert noise["warning"] in (tmp_path / "bench.txt").read_text()
+
+
+def test_a_busy_machine_warns_and_quiet_repeats_do_not(monkeypatch, tmp_path):
+    monkeypatch.setattr(flashtile.cli.bench, "make_repeat_timer", _fake_timer(QUIET_TIMES))
+    monkeypatch.setattr(flashtile.cli.bench, "cpu_load", lambda: IDLE)
+    argv = ["--seqlens", "32", "--no-causal", "--providers", "flashtile", *TINY, "--out-dir", str(tmp_path)]
+    stdout = _run(argv)
+    assert "warning" not in stdout and "!" not in _table_row(stdout, "flashtile")
+    assert json.loads((tmp_path / "bench.json").read_text())["noise"]["warning"] is None
+
+    monkeypatch.setattr(flashtile.cli.bench, "cpu_load", lambda: dict(load_1min=5.3, cpus=2, busy=True))
+    stdout = _run(argv)
+    assert ("warning: these timings may be noise: the machine was busy before the run: 1-minute load average 5.3 "
+            "on 2 CPUs") in stdout
+
+
+def test_a_backward_within_noise_has_no_rate_and_the_legend_says_why(monkeypatch, tmp_path):
+    times = dict(QUIET_TIMES, forward_backward=QUIET_TIMES["forward"])  # fwd+bwd as fast as fwd: bwd ≤ 0
+    monkeypatch.setattr(flashtile.cli.bench, "make_repeat_timer", _fake_timer(times))
+    stdout = _run(["--seqlens", "32", "--no-causal", "--providers", "flashtile", *TINY, "--out-dir", str(tmp_path)])
+    row = _table_row(stdout, "flashtile")
+    assert row.split()[-2:] == ["—", "ok"]
+    assert any(line.split()[:3] == ["—", "no", "rate:"] for line in stdout.splitlines())  # in the legend
+    record = json.loads((tmp_path / "bench.json").read_text())["measurements"][0]
+    assert record["bwd_ms"] <= 0 and "bwd_tflops" not in record
+
+
+def test_an_unavailable_provider_is_an_error_before_anything_runs(monkeypatch, tmp_path, capsys):
+    missing = dataclasses.replace(PROVIDERS["fa2"], imports=("flashtile_test_no_such_module", "attend"))
+    monkeypatch.setitem(PROVIDERS, "fa2", missing)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--providers", "flashtile,fa2", *TINY, "--out-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "not available on this machine: fa2 (" in err and "No module named 'flashtile_test_no_such_module'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_providers_all_takes_every_available_one(device):
+    available = [n for n, p in PROVIDERS.items() if p.unavailable(device) is None]
+    assert provider_names(["all"], device) == provider_names(None, device) == available  # flashtile first
+    assert provider_names(["sdpa_math", "all"], device) == ["flashtile", "sdpa_math",
+                                                             *(n for n in available[1:] if n != "sdpa_math")]
+    if device == "cpu":
+        assert "needs CUDA" in PROVIDERS["sdpa_cudnn"].unavailable(device)
+        with pytest.raises(ValueError, match="sdpa_cudnn"):
+            provider_names(["all", "sdpa_cudnn"], device)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal, pairs", [

@@ -15,7 +15,8 @@ def main(argv=None) -> int:
         description=check.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_arguments(check_parser)
     bench_parser = sub.add_parser(
-        "bench", help="TFLOP/s and peak memory of flashtile and the attention kernels present",
+        "bench", help="speed (TFLOP/s on a GPU, GFLOP/s on a CPU, with the spread of repeats) and peak memory "
+                 "of flashtile and the attention kernels present",
         description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(bench_parser)
     args = parser.parse_args(argv)

@@ -3,23 +3,37 @@ kernels present on this machine, on the standard sweep or on shapes from the com
 
 For each shape and provider:
 
-* **time** of the forward and of forward+backward: ``triton.testing.do_bench`` medians on
-  CUDA (``--warmup``/``--rep`` in ms; it flushes L2 between calls), a ``time.perf_counter``
-  median over the same budgets on the CPU. On CUDA each shape first runs for ``CLOCK_RAMP_S``
-  after its first (compiling) call, so that the GPU's clocks are up. The backward is not timed alone:
-  backward = (forward+backward) − forward, as in the H200 anchors (benchmarks/NOTES.md).
-* **TFLOP/s**: forward FLOPs 4·B·H·Nq·Nk·D (the QKᵀ and PV matmuls), ×0.5 when causal with
-  Nq = Nk (the usual convention, which the anchors use); when causal with Nq ≠ Nk,
-  4·B·H·D·(exact number of visible query-key pairs, bottom-right alignment). Backward FLOPs
-  are 2.5× the forward's, forward+backward 3.5×.
+* **time** of the forward and of forward+backward, each as several repeats of one call:
+  ``triton.testing.do_bench``'s on CUDA (``--warmup``/``--rep`` in ms; it flushes L2 between
+  calls), ``time.perf_counter`` around each call on the CPU, over the same budgets and at least
+  5 of them. The figure is the median; the **spread** is the range from the 20th to the 80th
+  percentile of the repeats (bench.json also keeps the min, the max and the number of repeats).
+  On CUDA each shape first runs for ``CLOCK_RAMP_S`` after its first (compiling) call, so that
+  the GPU's clocks are up. The backward is not timed alone: backward = (forward+backward) −
+  forward, as in the H200 anchors (benchmarks/NOTES.md), with the widest spread the two allow.
+* **rate**: in TFLOP/s on CUDA, in GFLOP/s on the CPU (the unit is in every table header and in
+  bench.json's ``settings.rate_unit``; the records' ``*_tflops`` fields stay in TFLOP/s). Forward
+  FLOPs 4·B·H·Nq·Nk·D (the QKᵀ and PV matmuls), ×0.5 when causal with Nq = Nk (the usual
+  convention, which the anchors use); when causal with Nq ≠ Nk, 4·B·H·D·(exact number of visible
+  query-key pairs, bottom-right alignment). Backward FLOPs are 2.5× the forward's,
+  forward+backward 3.5×.
 * **peak memory**: ``torch.cuda.max_memory_allocated`` over one forward+backward, minus what
   was allocated before it (q, k, v and dout are not counted). Not measured on the CPU.
 * **accuracy**: the output of that forward+backward on sampled query rows against float64
   standard attention, with flash-attn's rule (error ≤ 2× PyTorch's own error in the input
   dtype, plus a float32-ulp floor), and the largest difference from flashtile's output.
 
+The tables show each rate as ``median ±x%``, x being half the p20–p80 range in % of the median;
+a legend under each table explains every symbol it uses (``—`` where the backward came out ≤ 0
+within noise, ``!`` where the repeats disagree, ``skip``, the ratios, the accuracy column). One
+**noise warning** at the end of a run, also in bench.json's ``noise``, says when repeats disagree
+by more than 20% of their median (p80 − p20, ``NOISY_SPREAD``) or when the machine was busy before
+the run (1-minute load average above its number of CPUs).
+
 Inputs are random normal, in each provider's own layout: (batch, seqlen, nheads, headdim)
 for flashtile and flash-attn, (batch, nheads, seqlen, headdim) for SDPA and FlexAttention.
+A provider named in ``--providers`` that cannot run on this machine (not installed, or
+CUDA only) is an error before anything runs; ``--providers all`` takes every provider that can.
 A peer that refuses a case (SDPA backend constraints, out of memory, ...) is recorded as
 skipped, with the reason it gave. FlexAttention is compiled once per shape (dynamic=False),
 with its causal block mask built once per shape, outside the timing.
@@ -31,7 +45,8 @@ seqlen 128..512).
 
 Outputs, in ``--out-dir``: ``bench.json`` (every measurement and the environment) and
 ``bench.txt`` (the tables), both rewritten after each case, and with matplotlib one PNG per
-case; the tables also go to stdout, the progress to stderr.
+case (a panel per direction, and one of peak memory where measured); the tables also go to
+stdout, the progress to stderr.
 """
 
 from __future__ import annotations
@@ -43,11 +58,14 @@ from pathlib import Path
 
 import torch
 
-from .machine import environment, gpu_state
-from .providers import BWD_FLOPS_FACTOR, DTYPES, FLOPS_RULE, PROVIDERS, Shape, forward_flops
-from .report import Progress, compare, format_case_table, write_plots
-from .timing import (ACCURACY_FACTOR, BWD_METHOD, CHECKED_ROWS, MODES, AccuracyCheck, failure_reason, make_timer,
-                     measure)
+from .compare import compare
+from .machine import cpu_load, environment, gpu_state
+from .plots import write_plots
+from .providers import BWD_FLOPS_FACTOR, DTYPES, FLOPS_RULE, PROVIDERS, RATE_UNITS, Shape, forward_flops
+from .report import Progress, format_case_table
+from .spread import assess_noise
+from .timing import (ACCURACY_FACTOR, BWD_METHOD, CHECKED_ROWS, MIN_CPU_REPEATS, MODES, AccuracyCheck,
+                     failure_reason, make_repeat_timer, make_timer, measure)
 
 __all__ = [
     "BWD_FLOPS_FACTOR",
@@ -61,6 +79,7 @@ __all__ = [
     "gpu_state",
     "main_bench",
     "make_timer",
+    "provider_names",
     "run_bench",
 ]
 
@@ -94,19 +113,38 @@ def build_sweep(args, device: str) -> list[tuple[str, list[Shape]]]:
     return cases
 
 
-def run_bench(args, cases: list[tuple[str, list[Shape]]], device: str) -> int:
-    names = list(dict.fromkeys(args.providers or [n for n, p in PROVIDERS.items() if p.present(device)]))
-    names.sort(key=lambda n: n != "flashtile")  # first: the others are compared with its output
+def provider_names(requested: list[str] | None, device: str) -> list[str]:
+    """The providers to run, flashtile first (the others are compared with its output): those named,
+    or with "all" or none named, every one that can run here. ValueError, saying why, if a named one
+    cannot."""
+    available = [name for name, provider in PROVIDERS.items() if provider.unavailable(device) is None]
+    named = [name for name in requested or [] if name != "all"]
+    unavailable = {name: PROVIDERS[name].unavailable(device) for name in named if name not in available}
+    if unavailable:
+        raise ValueError("not available on this machine: " + "; ".join(
+            f"{name} ({reason})" for name, reason in unavailable.items())
+            + f". Available here: {', '.join(available)} (--providers all takes those)")
+    names = list(dict.fromkeys(named + (available if not requested or "all" in requested else [])))
+    return sorted(names, key=lambda name: name != "flashtile")
+
+
+def run_bench(args, cases: list[tuple[str, list[Shape]]], device: str, names: list[str]) -> int:
     out_dir = args.out_dir or Path(f"flashtile-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    timer = make_timer(device, args.warmup, args.rep)
-    timer_text = ("triton.testing.do_bench median" if device == "cuda" else "time.perf_counter median") + \
-        f" (warmup {args.warmup} ms, rep {args.rep} ms)"
+    load = cpu_load()  # before the run, which loads the machine itself
+    timer = make_repeat_timer(device, args.warmup, args.rep)
+    unit = RATE_UNITS[device]
+    timer_text = ("triton.testing.do_bench repeats" if device == "cuda"
+                  else f"time.perf_counter per call, >= {MIN_CPU_REPEATS} repeats") + \
+        f" (warmup {args.warmup} ms, rep {args.rep} ms): median, spread p20-p80"
     results = dict(
         flashtile_bench=1,
         environment=environment(device),
         settings=dict(
             timer=timer_text, bwd_method=BWD_METHOD, flops=FLOPS_RULE, modes=list(args.modes),
+            rate_unit=unit,
+            spread="<mode>_ms is the median of <mode>_repeats calls; <mode>_ms_p20/_p80/_min/_max their "
+                   "quantiles; bwd's from fwd_bwd's and fwd's, the widest they allow",
             providers={n: PROVIDERS[n].label for n in names},
             accuracy=f"output on <= {CHECKED_ROWS} query rows vs float64: error <= {ACCURACY_FACTOR}x "
                      "PyTorch's own error in the input dtype + float32-ulp floor",
@@ -119,7 +157,7 @@ def run_bench(args, cases: list[tuple[str, list[Shape]]], device: str) -> int:
           f"python {env['python']}{', driver ' + env['driver'] if env.get('driver') else ''}")
     print("providers: " + ", ".join(f"{n} ({PROVIDERS[n].label})" if PROVIDERS[n].label != n else n for n in names))
     print(f"timer: {timer_text}")
-    print(f"FLOPs: {FLOPS_RULE}. Backward: {BWD_METHOD}.")
+    print(f"rates in {unit}. FLOPs: {FLOPS_RULE}. Backward: {BWD_METHOD}.")
     json_path, text_path = out_dir / "bench.json", out_dir / "bench.txt"
     text_path.write_text("")
     progress = Progress(sum(len(shapes) for _, shapes in cases) * len(names))
@@ -140,13 +178,19 @@ def run_bench(args, cases: list[tuple[str, list[Shape]]], device: str) -> int:
                     progress.advance()
                 del inputs, check, flashtile_out
             results["measurements"] += case_records
+            results["noise"] = assess_noise(results["measurements"], load)
             json_path.write_text(json.dumps(results, indent=1))
-            table = format_case_table(label, case_records)
+            table = format_case_table(label, case_records, unit)
             with text_path.open("a") as f:
                 f.write(table + "\n")
             progress.write(table)
     finally:
         progress.close()
+    warning = results["noise"]["warning"]
+    if warning:  # once per run, after every table
+        print("\n" + warning)
+        with text_path.open("a") as f:
+            f.write("\n" + warning + "\n")
     plots = write_plots(results, out_dir)
     print(f"\nwrote {json_path}, the tables in {text_path}"
           + (f" and {len(plots)} plots in {out_dir}" if plots else " (no matplotlib: no plots)"))
@@ -196,8 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     shapes.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="only causal (--causal) or only non-causal (--no-causal); default both")
-    parser.add_argument("--providers", type=_choice_list(list(PROVIDERS)), metavar="NAME,...",
-                        help=f"from {', '.join(PROVIDERS)} (default: those present on this machine)")
+    parser.add_argument("--providers", type=_choice_list([*PROVIDERS, "all"]), metavar="NAME,...",
+                        help=f"from {', '.join(PROVIDERS)}; a named one that cannot run here is an error; "
+                             "'all' (the default): every one that can run here")
     parser.add_argument("--modes", type=_choice_list(MODES), default=list(MODES), metavar="MODE,...",
                         help="fwd, bwd, fwd_bwd (bwd needs the fwd and fwd_bwd timings; default all)")
     # Below do_bench's own 25/100 ms so that the standard sweep with every peer fits in ~6 min on
@@ -207,9 +252,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, help="where bench.json and the plots go "
                         "(default ./flashtile-bench-<date>-<time>)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE.json", "AFTER.json"),
-                        help="print flashtile's before/after TFLOP/s from two runs instead of measuring")
+                        help="print flashtile's before/after rates from two runs instead of measuring")
     parser.add_argument("--threshold", type=float, default=3.0,
-                        help="with --compare: exit status 1 if anything is slower by more than this %% (default 3)")
+                        help="with --compare: exit status 1 if anything is slower by more than this %% (default 3) "
+                             "and beyond noise: a slowdown whose before and after p20-p80 ranges overlap is "
+                             "shown as within noise and does not count")
 
 
 def main_bench(args, parser: argparse.ArgumentParser) -> int:
@@ -218,6 +265,7 @@ def main_bench(args, parser: argparse.ArgumentParser) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         cases = build_sweep(args, device)
+        names = provider_names(args.providers, device)
     except ValueError as error:
         parser.error(str(error))
-    return run_bench(args, cases, device)
+    return run_bench(args, cases, device, names)

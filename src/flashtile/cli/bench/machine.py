@@ -1,10 +1,11 @@
-"""The machine a measurement ran on: software versions, the device, and the GPU's state
-(clocks, power, temperature, throttling) as nvidia-smi reports it."""
+"""The machine a measurement ran on: software versions, the device, how busy its CPUs are, and
+the GPU's state (clocks, power, temperature, throttling) as nvidia-smi reports it."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import subprocess
 
@@ -60,6 +61,18 @@ def gpu_state(device_index: int):
         except ValueError:  # "[N/A]"
             state[key] = None
     return state
+
+
+def cpu_load():
+    """{load_1min, cpus, busy} now, or None where the OS keeps no load average (Windows). Busy: more
+    runnable threads than CPUs over the last minute, so that timed calls wait for a CPU (the host side
+    of a GPU run too)."""
+    try:
+        load_1min = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cpus = os.cpu_count() or 1
+    return dict(load_1min=load_1min, cpus=cpus, busy=load_1min > cpus)
 
 
 def environment(device: str) -> dict:

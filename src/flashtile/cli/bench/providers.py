@@ -2,7 +2,8 @@
 
 A provider's ``build(shape, q, k, v)`` → (``attend(q, k, v)`` → out, context to measure in).
 FlexAttention (torch >= 2.5) and flash-attn are imported by their builders, when a case runs:
-each may be missing or broken on a given machine (``Provider.present`` says whether it is).
+each may be missing or broken on a given machine (``Provider.unavailable`` says why, before
+anything runs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from ...interface import flash_attn_func
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BWD_FLOPS_FACTOR = 2.5
+# The unit of the rates in the tables and plots: attention on a CPU runs at well under 1 TFLOP/s,
+# where TFLOP/s would print as 0.000364. The records keep their *_tflops fields in TFLOP/s.
+RATE_UNITS = {"cuda": "TFLOP/s", "cpu": "GFLOP/s"}
+PER_TFLOPS = {"TFLOP/s": 1.0, "GFLOP/s": 1e3}
 FLOPS_RULE = ("fwd 4*B*H*Nq*Nk*D, x0.5 if causal and Nq = Nk, exact visible pairs if causal and Nq != Nk; "
               "bwd 2.5x fwd; fwd_bwd 3.5x fwd")
 
@@ -69,8 +74,20 @@ class Provider:
     name: str
     label: str
     layout: str  # "bshd" (flash-attn's) or "bhsd" (SDPA's)
-    present: Callable[[str], bool]
     build: Callable
+    cuda_only: bool = False
+    imports: tuple[str, str] | None = None  # (module, attribute) that the builder imports
+
+    def unavailable(self, device: str) -> str | None:
+        """Why this provider cannot run on ``device`` ("cuda" or "cpu"), or None when it can."""
+        reasons = []
+        if self.cuda_only and device != "cuda":
+            reasons.append("needs CUDA, and this machine has none")
+        if self.imports:
+            error = _import_error(*self.imports)
+            if error:
+                reasons.append(f"cannot import {'.'.join(self.imports)}: {error}")
+        return "; ".join(reasons) or None
 
 
 def _flashtile(shape, q, k, v):
@@ -151,31 +168,25 @@ def _flash_attn_4(shape, q, k, v):
     return attend, contextlib.nullcontext()
 
 
-def _importable(module: str, attribute: str) -> bool:
+@functools.cache
+def _import_error(module: str, attribute: str) -> str | None:
+    """Why ``module.attribute`` cannot be imported, or None when it can."""
     try:
-        return hasattr(importlib.import_module(module), attribute)
-    except Exception:  # a broken install (missing CUDA libraries, ...) counts as absent
-        return False
-
-
-def _always(device):
-    return True
-
-
-def _cuda_only(device):
-    return device == "cuda"
+        found = hasattr(importlib.import_module(module), attribute)
+    except Exception as error:  # a broken install (missing CUDA libraries, ...) counts as absent
+        return f"{type(error).__name__}: {error}"
+    return None if found else f"{module} has no {attribute}"
 
 
 PROVIDERS = {p.name: p for p in [
-    Provider("flashtile", "flashtile", "bshd", _always, _flashtile),
-    Provider("sdpa_flash", "SDPA flash (FA2)", "bhsd", _always, _sdpa("FLASH_ATTENTION")),
-    Provider("sdpa_cudnn", "SDPA cuDNN", "bhsd", _cuda_only, _sdpa("CUDNN_ATTENTION")),
-    Provider("sdpa_efficient", "SDPA mem-efficient", "bhsd", _cuda_only, _sdpa("EFFICIENT_ATTENTION")),
-    Provider("sdpa_math", "SDPA math", "bhsd", _always, _sdpa("MATH")),
-    Provider("flex", "FlexAttention (compiled)", "bhsd",
-             lambda d: d == "cuda" and _importable("torch.nn.attention.flex_attention", "flex_attention"), _flex),
-    Provider("fa2", "flash-attn 2", "bshd",
-             lambda d: d == "cuda" and _importable("flash_attn", "flash_attn_func"), _flash_attn_2),
-    Provider("fa4", "FA4 (flash-attn-4 CuTe)", "bshd",
-             lambda d: d == "cuda" and _importable("flash_attn.cute", "flash_attn_func"), _flash_attn_4),
+    Provider("flashtile", "flashtile", "bshd", _flashtile),
+    Provider("sdpa_flash", "SDPA flash (FA2)", "bhsd", _sdpa("FLASH_ATTENTION")),
+    Provider("sdpa_cudnn", "SDPA cuDNN", "bhsd", _sdpa("CUDNN_ATTENTION"), cuda_only=True),
+    Provider("sdpa_efficient", "SDPA mem-efficient", "bhsd", _sdpa("EFFICIENT_ATTENTION"), cuda_only=True),
+    Provider("sdpa_math", "SDPA math", "bhsd", _sdpa("MATH")),
+    Provider("flex", "FlexAttention (compiled)", "bhsd", _flex, cuda_only=True,
+             imports=("torch.nn.attention.flex_attention", "flex_attention")),
+    Provider("fa2", "flash-attn 2", "bshd", _flash_attn_2, cuda_only=True, imports=("flash_attn", "flash_attn_func")),
+    Provider("fa4", "FA4 (flash-attn-4 CuTe)", "bshd", _flash_attn_4, cuda_only=True,
+             imports=("flash_attn.cute", "flash_attn_func")),
 ]}

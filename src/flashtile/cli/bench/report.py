@@ -1,15 +1,14 @@
-"""What ``flashtile bench`` shows: progress, the tables of a case, the plots, and the
-before/after comparison of two runs (``--compare``)."""
+"""What ``flashtile bench`` prints while it runs: the progress, and the tables of a case with the
+legend of their symbols."""
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import sys
-from pathlib import Path
+import textwrap
 
-from .timing import BWD_METHOD, MODES
+from .providers import PER_TFLOPS, RATE_UNITS
+from .spread import NOISY_SPREAD, TIMED_MODES, is_noisy, relative_spread
+from .timing import ACCURACY_FACTOR, BWD_METHOD, CHECKED_ROWS
 
 
 class Progress:
@@ -59,22 +58,49 @@ class Progress:
             sys.stderr.write(f"[{self.done}/{self.total}] done\n")
 
 
-def _fmt(x) -> str:
-    if x is None:
-        return "—"
+def number_text(x) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def _fmt_ratio(x) -> str:
-    return "—" if x is None else f"{x:.2f}"
+def rate_unit(results: dict) -> str:
+    """The unit of a run's tables; bench.json files from before it was recorded are told by device."""
+    return results["settings"].get("rate_unit") or RATE_UNITS[
+        "cpu" if results["environment"]["device"].startswith("CPU") else "cuda"]
+
+
+LEGEND_COLUMNS = 110
+# The symbols of the tables' speed cells, and what the legend under a table says of each
+NO_RATE, NOT_TIMED, SKIPPED, NOISY = "—", "n/t", "skip", "!"
+
+
+def _spread_text(spread: float) -> str:
+    half = 50 * spread  # ± half the p20–p80 range, in % of the median
+    if half >= 100:  # the figure means nothing then; keep the column narrow
+        return "±>100%"
+    return "±<1%" if half < 1 else f"±{half:.0f}%"
+
+
+def _speed_cell(r: dict, mode: str, per_tflops: float) -> str:
+    if f"{mode}_ms" not in r:
+        return NOT_TIMED
+    rate = r.get(f"{mode}_tflops")
+    if rate is None:  # bwd = (fwd+bwd) − fwd came out ≤ 0
+        return NO_RATE
+    spread_text = _spread_text(relative_spread(r, mode))
+    return f"{number_text(rate * per_tflops)} {spread_text}" + (NOISY if is_noisy(r, mode) else "")
+
+
+def _ratio_text(x) -> str:
+    return NO_RATE if x is None else f"{x:.2f}"
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def format_case_table(label: str, records: list[dict]) -> str:
-    """Rows providers, columns seqlens; cells fwd / bwd TFLOP/s, then ratios, memory, notes."""
+def format_case_table(label: str, records: list[dict], unit: str) -> str:
+    """Rows providers, columns seqlens; cells fwd / bwd rates in ``unit`` with their spreads, then
+    ratios, memory, the skips, and a legend of the symbols the table uses."""
     seqlens = sorted({r["seqlen_q"] for r in records})
     providers = list(dict.fromkeys(r["provider"] for r in records))
     cell = {(r["provider"], r["seqlen_q"]): r for r in records}
@@ -82,10 +108,11 @@ def format_case_table(label: str, records: list[dict]) -> str:
     def speed(p, n):
         r = cell.get((p, n))
         if r is None or r["status"] != "ok":
-            return "skip" if r is not None else ""
-        return f"{_fmt(r.get('fwd_tflops'))} / {_fmt(r.get('bwd_tflops'))}"
+            return SKIPPED if r is not None else ""
+        return " / ".join(_speed_cell(r, mode, PER_TFLOPS[unit]) for mode in ("fwd", "bwd"))
 
     rows = [[p, *(speed(p, n) for n in seqlens), _accuracy_note(p, records)] for p in providers]
+    ratio_rows = []
     if "flashtile" in providers:
         for peer in providers:
             if peer == "flashtile":
@@ -94,15 +121,15 @@ def format_case_table(label: str, records: list[dict]) -> str:
             for n in seqlens:
                 ours, theirs = cell.get(("flashtile", n), {}), cell.get((peer, n), {})
                 fwd, bwd = (_ratio(ours.get(f"{m}_tflops"), theirs.get(f"{m}_tflops")) for m in ("fwd", "bwd"))
-                ratios.append("" if fwd is None and bwd is None else f"{_fmt_ratio(fwd)} / {_fmt_ratio(bwd)}")
+                ratios.append("" if fwd is None and bwd is None else f"{_ratio_text(fwd)} / {_ratio_text(bwd)}")
             if any(ratios):
-                rows.append([f"flashtile/{peer}", *ratios, ""])
-    lines = [f"\n{label} — fwd / bwd TFLOP/s ({BWD_METHOD})"]
-    lines += _grid(["provider", *(f"N={n}" for n in seqlens), "accuracy"], rows)
+                ratio_rows.append([f"flashtile/{peer}", *ratios, ""])
+    lines = [f"\n{label} — fwd / bwd {unit}, median ±spread of the repeats ({BWD_METHOD})"]
+    lines += grid(["provider", *(f"N={n}" for n in seqlens), "accuracy"], rows + ratio_rows)
     memory_rows = [[p, *(_mib(cell.get((p, n))) for n in seqlens)] for p in providers]
-    if any(c not in ("", "—") for row in memory_rows for c in row[1:]):
+    if any(c for row in memory_rows for c in row[1:]):
         lines.append("peak memory of one fwd+bwd beyond the inputs, MiB")
-        lines += _grid(["provider", *(f"N={n}" for n in seqlens)], memory_rows)
+        lines += grid(["provider", *(f"N={n}" for n in seqlens)], memory_rows)
     else:
         lines.append("peak memory: measured on CUDA only")
     skips = {}
@@ -112,9 +139,42 @@ def format_case_table(label: str, records: list[dict]) -> str:
     for (p, reason), ns in skips.items():
         short = reason if len(reason) <= 300 else reason[:297] + "..."
         lines.append(f"  skipped {p} at N={','.join(map(str, ns))}: {short}")
-    return "\n".join(lines)
+    used = {word for row in rows for text in row[1:-1] for word in text.split()}
+    return "\n".join(lines + _legend(records, used, bool(ratio_rows)))
 
 
+def _legend(records: list[dict], used: set[str], ratios: bool) -> list[str]:
+    """What each symbol in the table means, for the symbols it uses (``used``: the words of its
+    speed cells)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    repeats = sorted({r[f"{mode}_repeats"] for r in ok for mode in TIMED_MODES if f"{mode}_repeats" in r})
+    entries = []
+    if any(word.startswith("±") for word in used):
+        counts = f"{repeats[0]}" if len(repeats) == 1 else f"{repeats[0]}–{repeats[-1]}"
+        entries.append(("±x%", f"half the p20–p80 range of the {counts} repeats' times, relative to their "
+                               "median (bwd: the widest range that the fwd and fwd+bwd ranges allow)"))
+    if any(word.endswith(NOISY) for word in used):
+        entries.append((NOISY, f"the repeats disagree: p80 − p20 is more than {NOISY_SPREAD:.0%} of the median "
+                               f"(beyond ±{50 * NOISY_SPREAD:.0f}%; for bwd, in fwd's or fwd+bwd's); see the "
+                               "warning at the end"))
+    if NO_RATE in used:
+        entries.append((NO_RATE, "no rate: the backward, (fwd+bwd) − fwd, came out ≤ 0: the two timings are "
+                                 "within noise of each other at this size"))
+    if NOT_TIMED in used:
+        entries.append((NOT_TIMED, "not timed (--modes)"))
+    if SKIPPED in used:
+        entries.append((SKIPPED, "the provider refused this shape (why: above)"))
+    if ratios:
+        entries.append(("flashtile/X", f"flashtile's rate ÷ X's: > 1 where flashtile is faster; {NO_RATE} where "
+                                       "either has no rate"))
+    if ok:
+        entries.append(("accuracy", f"ok: the output on <= {CHECKED_ROWS} sampled query rows is within "
+                                    f"flash-attn's bound of float64 attention ({ACCURACY_FACTOR}x PyTorch's own "
+                                    "error in the input dtype + a float32-ulp floor); MISMATCH: beyond it; "
+                                    "max |Δ flashtile|: the largest difference from flashtile's output"))
+    width = max(len(symbol) for symbol, _ in entries)
+    return ["legend:"] + [textwrap.fill(text, LEGEND_COLUMNS, initial_indent=f"  {symbol.ljust(width)}  ",
+                                        subsequent_indent=" " * (width + 4)) for symbol, text in entries]
 def _accuracy_note(provider: str, records: list[dict]) -> str:
     ok = [r for r in records if r["provider"] == provider and r["status"] == "ok"]
     bad = [r for r in ok if not r["accurate"]]
@@ -130,107 +190,12 @@ def _accuracy_note(provider: str, records: list[dict]) -> str:
 def _mib(r):
     if r is None or r["status"] != "ok":
         return ""
-    return _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20)
+    return "" if r["peak_memory_bytes"] is None else number_text(r["peak_memory_bytes"] / 2**20)
 
 
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+def grid(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     return ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in [header, *rows]]
 
 
-def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """One PNG per case: TFLOP/s vs seqlen (a line per provider and mode), memory vs seqlen."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    paths = []
-    by_case = {}
-    for r in results["measurements"]:
-        by_case.setdefault(r["case"], []).append(r)
-    for case, records in by_case.items():
-        fig, (ax_speed, ax_memory) = plt.subplots(1, 2, figsize=(13, 4.8))
-        providers = list(dict.fromkeys(r["provider"] for r in records))
-        for i, provider in enumerate(providers):
-            ok = sorted((r for r in records if r["provider"] == provider and r["status"] == "ok"),
-                        key=lambda r: r["seqlen_q"])
-            for mode, style in (("fwd", "-"), ("bwd", "--"), ("fwd_bwd", ":")):
-                points = [(r["seqlen_q"], r[f"{mode}_tflops"]) for r in ok if r.get(f"{mode}_tflops")]
-                if points:
-                    ax_speed.plot(*zip(*points), style, marker="o", color=f"C{i}", label=f"{provider} {mode}")
-            points = [(r["seqlen_q"], r["peak_memory_bytes"] / 2**20) for r in ok if r["peak_memory_bytes"]]
-            if points:
-                ax_memory.plot(*zip(*points), marker="o", color=f"C{i}", label=provider)
-        seqlens = sorted({r["seqlen_q"] for r in records})
-        ax_speed.set(xlabel="seqlen", ylabel="TFLOP/s", title=f"speed ({BWD_METHOD})")
-        ax_memory.set(xlabel="seqlen", ylabel="MiB", title="peak memory of one fwd+bwd beyond the inputs")
-        for ax in (ax_speed, ax_memory):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(seqlens, [str(n) for n in seqlens])
-            ax.minorticks_off()
-            ax.grid(True, alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7, ncol=2)
-        if ax_memory.lines:
-            ax_memory.set_yscale("log")
-        else:
-            ax_memory.text(0.5, 0.5, "measured on CUDA only", ha="center", transform=ax_memory.transAxes)
-        fig.suptitle(f"{case} — {results['environment']['device']}, {results['environment']['date']}")
-        fig.tight_layout()
-        path = out_dir / (re.sub(r"[^a-z0-9]+", "_", case.lower()).strip("_") + ".png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-def _shape_key(r: dict):
-    return tuple(r[f] for f in ("dtype", "batch", "seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim", "causal"))
-
-
-def compare(before_path: Path, after_path: Path, threshold_pct: float) -> int:
-    """Before/after table of flashtile's TFLOP/s; exit status 1 if any is slower by > threshold."""
-    before, after = (json.loads(Path(p).read_text()) for p in (before_path, after_path))
-    print(f"flashtile TFLOP/s, before = {before_path} ({before['environment']['date']}, "
-          f"{before['environment']['device']}), after = {after_path} ({after['environment']['date']}, "
-          f"{after['environment']['device']})")
-    if before["environment"]["device"] != after["environment"]["device"]:
-        print("warning: the two runs are on different devices")
-    old = {_shape_key(r): r for r in before["measurements"] if r["provider"] == "flashtile" and r["status"] == "ok"}
-    rows, changes = [], []
-    for r in after["measurements"]:
-        if r["provider"] != "flashtile" or r["status"] != "ok" or _shape_key(r) not in old:
-            continue
-        cells = []
-        for mode in MODES:
-            a, b = old[_shape_key(r)].get(f"{mode}_tflops"), r.get(f"{mode}_tflops")
-            if a and b:
-                change = 100 * (b / a - 1)
-                changes.append((change, mode, r["case"], r["seqlen_q"]))
-                cells.append(f"{_fmt(a)} → {_fmt(b)} ({change:+.1f}%)")
-            else:
-                cells.append("—")
-        rows.append([r["case"], str(r["seqlen_q"]), *cells])
-    if not rows:
-        print("no flashtile measurement of the same shape in both files")
-        return 1
-    print("\n".join(_grid(["case", "N", *MODES], rows)))
-    if not changes:
-        print("no rate measured in both files")
-        return 1
-    geomeans = []
-    for mode in MODES:
-        ratios = [1 + c[0] / 100 for c in changes if c[1] == mode]
-        if ratios:
-            geomeans.append(f"{mode} {100 * (math.prod(ratios) ** (1 / len(ratios)) - 1):+.1f}%")
-    slower = [c for c in changes if c[0] < -threshold_pct]
-    worst = min(changes)
-    print(f"\ngeometric mean change: {', '.join(geomeans)}")
-    print(f"worst change: {worst[0]:+.1f}% ({worst[1]}, {worst[2]}, N={worst[3]}); "
-          + (f"{len(slower)} of {len(changes)} slower by more than {threshold_pct:g}%" if slower
-             else f"none slower by more than {threshold_pct:g}%"))
-    return 1 if slower else 0

@@ -1,5 +1,6 @@
-"""Measuring one provider on one shape: the timers, the clock ramp before timing, peak memory,
-and the accuracy check against float64 standard attention on sampled query rows."""
+"""Measuring one provider on one shape: the timers (the time of each repeat), the clock ramp
+before timing, peak memory, the rates, and the accuracy check against float64 standard
+attention on sampled query rows."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from ...accuracy import error_bound, max_error
 from .machine import gpu_state
 from .providers import BWD_FLOPS_FACTOR, Provider, Shape, forward_flops
+from .spread import backward_fields, spread_fields
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 BWD_METHOD = "bwd = (fwd+bwd) - fwd, each timed separately"
@@ -22,26 +24,40 @@ ACCURACY_FACTOR = 2  # flash-attn's rule for outputs (flashtile.accuracy)
 CHECKED_ROWS = 64  # query rows compared with float64: first, last and evenly spaced ones
 
 
-def make_timer(device: str, warmup_ms: float, rep_ms: float) -> Callable[[Callable], float]:
-    """→ timer(fn) returning the median time of one call of ``fn`` in ms."""
+def make_repeat_timer(device: str, warmup_ms: float, rep_ms: float) -> Callable[[Callable], list[float]]:
+    """→ timer(fn) returning the time of each timed call of ``fn`` in ms: do_bench's repeats on CUDA
+    (as many as fit in ``rep_ms``), on the CPU as many as fit and at least ``MIN_CPU_REPEATS``."""
     if device == "cuda":
         from triton.testing import do_bench  # triton is a dependency on Linux only
 
-        return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return lambda fn: _cpu_median_ms(fn, warmup_ms, rep_ms)
+        return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return lambda fn: _cpu_times_ms(fn, warmup_ms, rep_ms)
 
 
-def _cpu_median_ms(fn, warmup_ms, rep_ms):
-    def run_for(budget_ms):  # at least once, like do_bench
+def make_timer(device: str, warmup_ms: float, rep_ms: float) -> Callable[[Callable], float]:
+    """→ timer(fn) returning the median time of one call of ``fn`` in ms, for scripts that want one
+    figure (benchmarks/variants_bench.py)."""
+    repeat_timer = make_repeat_timer(device, warmup_ms, rep_ms)
+    return lambda fn: statistics.median(repeat_timer(fn))
+
+
+# A spread needs a few repeats, and a CPU call of a large shape can outlast the whole --rep budget.
+# With 5, the 20th and 80th percentiles lie mostly on the second and fourth times, so that one stray
+# call moves them little.
+MIN_CPU_REPEATS = 5
+
+
+def _cpu_times_ms(fn, warmup_ms, rep_ms):
+    def run_for(budget_ms, min_calls):
         times, start = [], time.perf_counter()
-        while not times or (time.perf_counter() - start) * 1e3 < budget_ms:
+        while len(times) < min_calls or (time.perf_counter() - start) * 1e3 < budget_ms:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
 
-    run_for(warmup_ms)
-    return statistics.median(run_for(rep_ms))
+    run_for(warmup_ms, 1)  # at least once, like do_bench
+    return run_for(rep_ms, MIN_CPU_REPEATS)
 
 
 def _to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -181,22 +197,26 @@ def _measure(provider, shape, inputs, check, flashtile_out, timer, modes, device
         if flashtile_out is not None:
             result["max_diff_vs_flashtile"] = max_error(out, flashtile_out)
         if "fwd" in modes or "bwd" in modes:
-            result["fwd_ms"] = timer(forward)
+            result.update(spread_fields("fwd", timer(forward)))
         if "fwd_bwd" in modes or "bwd" in modes:
-            result["fwd_bwd_ms"] = timer(forward_backward)
+            result.update(spread_fields("fwd_bwd", timer(forward_backward)))
         if device == "cuda":
             result["gpu_state_after"] = gpu_state(torch.cuda.current_device())
     result["output"] = out
-    flops = forward_flops(shape)
-    for mode, factor in (("fwd", 1.0), ("fwd_bwd", 1.0 + BWD_FLOPS_FACTOR)):
-        if f"{mode}_ms" in result:
-            result[f"{mode}_tflops"] = factor * flops / (result[f"{mode}_ms"] * 1e9)
-    if "fwd_ms" in result and "fwd_bwd_ms" in result:
-        result["bwd_ms"] = result["fwd_bwd_ms"] - result["fwd_ms"]
-        # timing noise can make the difference ≤ 0 on tiny shapes: no rate then
-        if result["bwd_ms"] > 0:
-            result["bwd_tflops"] = BWD_FLOPS_FACTOR * flops / (result["bwd_ms"] * 1e9)
+    result.update(backward_fields(result))
+    result.update(rate_fields(result, forward_flops(shape)))
     return result
+
+
+def rate_fields(timings: dict, flops: float) -> dict:
+    """``{mode}_tflops`` of each mode timed in ``timings`` (its ``{mode}_ms``, bwd's included), for
+    a forward of ``flops``."""
+    rates = {}
+    for mode, factor in (("fwd", 1.0), ("bwd", BWD_FLOPS_FACTOR), ("fwd_bwd", 1.0 + BWD_FLOPS_FACTOR)):
+        # timing noise can make bwd = (fwd+bwd) − fwd ≤ 0 on tiny shapes: no rate then
+        if timings.get(f"{mode}_ms", 0) > 0:
+            rates[f"{mode}_tflops"] = factor * flops / (timings[f"{mode}_ms"] * 1e9)
+    return rates
 
 
 def failure_reason(error: Exception, caught) -> str:
