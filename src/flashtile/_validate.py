@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 
 import torch
 
 from ._options import AttentionOptions, default_softmax_scale, fold_causal
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Index tensors on a GPU are checked only on request: reading their contents costs a host sync.
+CHECK_INPUTS_VARIABLE = "FLASHTILE_CHECK_INPUTS"
 MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 
@@ -72,7 +75,37 @@ def check_packed(name, t, ndim, count) -> None:
         raise ValueError(f"{name} must have size {count} in dim -3, got shape {tuple(t.shape)}")
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device) -> None:
+def checks_contents(t: torch.Tensor) -> bool:
+    """Whether an index tensor's values are checked: always on the CPU, where reading them is free;
+    on a GPU with ``FLASHTILE_CHECK_INPUTS=1`` (one sync per tensor); never while torch.compile
+    traces (the values are data it cannot branch on). Unchecked, the kernels still never touch memory
+    outside their tensors (each module's docstring says what a bad value gives)."""
+    if torch.compiler.is_compiling():
+        return False
+    return t.device.type == "cpu" or os.environ.get(CHECK_INPUTS_VARIABLE) == "1"
+
+
+def _shown(values: list[int]) -> str:
+    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:12]))}, ...] ({len(values)} values)"
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total: int, tensor: str, max_name: str, max_seqlen: int) -> None:
+    values = cu.tolist()
+    lengths = [end - start for start, end in zip(values, values[1:])]
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {_shown(values)}")
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"{name} must be non-decreasing (sequence lengths ≥ 0), got {_shown(values)}")
+    if values[-1] > total:
+        raise ValueError(f"{name} ends at {values[-1]}, past the {total} tokens of {tensor}: {_shown(values)}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is less than the longest sequence of {name} ({max(lengths)})")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device, total_q: int,
+                     total_k: int) -> None:
+    """cu_seqlens: 1-D int32 (batch + 1,) on ``device``; their values (see :func:`checks_contents`):
+    from 0, non-decreasing, within the total_q / total_k tokens, no sequence longer than max_seqlen."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
@@ -85,6 +118,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dev
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(value, int) or value < 0:
             raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
+    if checks_contents(cu_seqlens_q):
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "q", "max_seqlen_q", max_seqlen_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "k", "max_seqlen_k", max_seqlen_k)
 
 
 def _integer(value) -> int | None:

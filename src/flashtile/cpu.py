@@ -117,13 +117,12 @@ def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions)
     return layout.unfold_rows(dq).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _sequences(tensors: AttentionTensors):
-    """(q rows, k rows) of each sequence of a packed batch that has queries and keys: a sequence
-    without either keeps output 0 and log-sum-exp −inf (zero gradients). cu_seqlens are CPU tensors
-    here: reading them costs no sync."""
-    starts_q, starts_k = tensors.cu_seqlens_q.tolist(), tensors.cu_seqlens_k.tolist()
-    for b in range(len(starts_q) - 1):
-        rows_q, rows_k = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+def _sequences(q, k, tensors: AttentionTensors):
+    """(q rows, k rows) of each sequence of a packed batch that has queries and keys, by the kernels'
+    clamping rule (``reference.sequence_slices``): a sequence without either keeps output 0 and
+    log-sum-exp −inf (zero gradients). cu_seqlens are CPU tensors here: reading them costs no sync."""
+    for _, rows_q, rows_k in reference.sequence_slices(tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+                                                        q.shape[0], k.shape[0]):
         if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:
             yield rows_q, rows_k
 
@@ -137,7 +136,7 @@ def varlen_attention_forward(q, k, v, options: AttentionOptions, tensors: Attent
     """Packed (total, H, D) → (out like q, lse [Hq, total_q] float32), each sequence as its own call."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-    for rows_q, rows_k in _sequences(tensors):
+    for rows_q, rows_k in _sequences(q, k, tensors):
         q_b, k_b, v_b = q[None, rows_q], k[None, rows_k], v[None, rows_k]
         if _pytorch_causal(options, q_b.shape[1], k_b.shape[1]) is not None:
             out_b, lse_b = fused_attention_forward(q_b, k_b, v_b, options)
@@ -152,7 +151,7 @@ def varlen_attention_forward(q, k, v, options: AttentionOptions, tensors: Attent
 def varlen_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors):
     """→ (dq, dk, dv) of :func:`varlen_attention_forward`, shaped like q, k, v."""
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
-    for rows_q, rows_k in _sequences(tensors):
+    for rows_q, rows_k in _sequences(q, k, tensors):
         q_b, k_b, v_b = q[None, rows_q], k[None, rows_k], v[None, rows_k]
         dout_b, out_b, lse_b = dout[None, rows_q], out[None, rows_q], lse[None, :, rows_q]
         if _pytorch_causal(options, q_b.shape[1], k_b.shape[1]) is not None:

@@ -231,7 +231,8 @@ def flash_attn_varlen_func(
         with softmax_lse (nheads, total_q), float32, natural log.
     """
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
-    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0],
+                                k.shape[0])
     return _attend(SEPARATE, q, k, v, q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -257,7 +258,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _validate.check_packed("qkv", qkv, 4, 3)
     q, k, v = qkv.unbind(-3)
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
-    _validate.check_cu_seqlens(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q.device)
+    _validate.check_cu_seqlens(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, q.device, q.shape[0], k.shape[0])
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
@@ -284,7 +285,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _validate.check_packed("kv", kv, 4, 2)
     k, v = kv.unbind(-3)
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
-    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0],
+                                k.shape[0])
     return _attend(KV_PACKED, q, kv, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

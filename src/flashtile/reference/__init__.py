@@ -65,7 +65,8 @@ from .dropout import dropout_keep_mask, philox_uniform
 from .kvcache import kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
 from .softmax import merge_softmax_states, merge_split_states, online_softmax
-from .varlen import tiled_varlen_attention_backward, tiled_varlen_attention_forward, varlen_attention_forward
+from .varlen import (sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
+                     varlen_attention_forward)
 
 __all__ = [
     "normalize_window",
@@ -86,4 +87,5 @@ __all__ = [
     "tiled_varlen_attention_forward",
     "tiled_varlen_attention_backward",
     "kvcache_attention_reference",
+    "sequence_slices",
 ]

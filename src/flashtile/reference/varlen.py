@@ -4,6 +4,12 @@ q (total_q, Hq, D), k and v (total_k, Hk, D), with ``cu_seqlens_*`` int32 (batch
 cumulative lengths. Each sequence runs through the functions of ``reference.attention`` on its
 own, so masks and ALiBi are aligned per sequence, and the dropout counter uses the sequence
 index as the batch index and positions within the sequence.
+
+Sequence ``b`` is tokens ``[cu[b], cu[b + 1])`` with both bounds clamped into the token axis and
+an end below its start making it empty (:func:`sequence_slices`), the rule the kernels apply: in
+the tiled functions (the CPU path) a malformed cu_seqlens can never reach outside the tensors, and
+tokens outside every sequence keep output 0 and log-sum-exp −inf. The public functions refuse
+malformed cu_seqlens before this wherever reading them is free (``flashtile._validate``).
 """
 
 from __future__ import annotations
@@ -14,18 +20,28 @@ import torch
 
 from .attention import compute_dtype, score_options, standard_forward, tiled_backward, tiled_forward
 
-__all__ = ["varlen_attention_forward", "tiled_varlen_attention_forward", "tiled_varlen_attention_backward"]
+__all__ = ["sequence_slices", "varlen_attention_forward", "tiled_varlen_attention_forward",
+           "tiled_varlen_attention_backward"]
 
 
-def _sequences(cu_seqlens_q, cu_seqlens_k, attn_bias=None):
-    """(index, q slice, k slice) of each sequence of a packed batch."""
-    if attn_bias is not None:
-        raise NotImplementedError("attn_bias is not supported for packed (variable-length) batches")
+def _clamped(cu: list[int], b: int, total: int) -> slice:
+    start = min(max(cu[b], 0), total)
+    return slice(start, min(max(cu[b + 1], start), total))
+
+
+def sequence_slices(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """(index, q rows, k rows) of each sequence of a packed batch, bounds clamped into the token axes."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(starts_q) != len(starts_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {len(starts_q)} vs {len(starts_k)}")
     for i in range(len(starts_q) - 1):
-        yield i, slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+        yield i, _clamped(starts_q, i, total_q), _clamped(starts_k, i, total_k)
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias=None):
+    if attn_bias is not None:
+        raise NotImplementedError("attn_bias is not supported for packed (variable-length) batches")
+    return sequence_slices(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
 
 
 def _unpack(t: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -52,7 +68,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
     lse (Hq, total_q)).
     """
     outs, lses = [], []
-    for i, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)
         opts = _sequence_options(q_i, k_i, q.dtype, i, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                  dropout_p, dropout_seed)
@@ -73,7 +89,7 @@ def tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_
     """
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
-    for i, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k, attn_bias):
+    for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)
         opts = _sequence_options(q_i, k_i, compute_dtype(q.dtype), i, softmax_scale, causal, window_size, softcap,
                                  alibi_slopes, dropout_p, dropout_seed)
@@ -88,7 +104,7 @@ def tiled_varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_se
                                     attn_bias=None, dropout_p=0.0, dropout_seed=None, block_m=256, block_n=256):
     """Backward of :func:`tiled_varlen_attention_forward` → (dq, dk, dv) shaped like q, k, v."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for i, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k, attn_bias):
+    for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)
         opts = _sequence_options(q_i, k_i, compute_dtype(q.dtype), i, softmax_scale, causal, window_size, softcap,
                                  alibi_slopes, dropout_p, dropout_seed)

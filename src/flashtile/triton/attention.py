@@ -56,10 +56,15 @@ from .scores import dropout_keep, key_runs, masked_scores_log2, normalise, query
 
 @triton.jit
 def _sequence_bounds(i_b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
-    """(first token, length) of sequence ``i_b``: packed through cu_seqlens, or the whole axis."""
+    """(first token, length) of sequence ``i_b``: packed through cu_seqlens, or the whole axis.
+
+    Packed, ``seqlen`` is the token count of the axis, and the bounds are clamped into it (an end
+    below its start gives length 0): no value of cu_seqlens can move a load or store outside the
+    tensors. Tokens that no sequence covers are never written (the launcher zero-fills them)."""
     if IS_VARLEN:
-        start = tl.load(CuSeqlens + i_b)
-        return start, tl.load(CuSeqlens + i_b + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(CuSeqlens + i_b), 0), seqlen)
+        end = tl.minimum(tl.maximum(tl.load(CuSeqlens + i_b + 1), start), seqlen)
+        return start, end - start
     return 0, seqlen
 
 
@@ -67,7 +72,8 @@ def _sequence_bounds(i_b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
 def _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """The prologue of the forward, dK/dV and dQ kernels. The grid is (blocks, heads, batch): →
     (block, head, batch, first query, seqlen_q, first key, seqlen_k) of this program, with the
-    sequence's own lengths when the batch is packed (the grid covers the longest)."""
+    sequence's own lengths when the batch is packed (``seqlen_q``/``seqlen_k`` given are then the
+    token counts; the grid covers max_seqlen)."""
     i_block = tl.program_id(0)
     i_head = tl.program_id(1)
     i_b = tl.program_id(2)

@@ -168,10 +168,18 @@ def _shape(q, k, options: AttentionOptions, tensors: AttentionTensors):
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
 
 
-def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, shape) -> dict:
+def _extents(q, k, tensors: AttentionTensors, shape) -> tuple[int, int]:
+    """The kernels' ``seqlen_q``/``seqlen_k``: the lengths, or for a packed batch the token counts,
+    which bound each sequence's cu_seqlens there (the grid takes max_seqlen from ``shape``)."""
+    return (q.shape[0], k.shape[0]) if tensors.is_varlen else (shape[1], shape[2])
+
+
+def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
+                       shape) -> dict:
     """The keyword arguments that the forward, dK/dV and dQ kernels share: the variants' tensors
     (``q`` stands in for an absent one, never read), their strides, scalars and constexpr switches."""
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, _ = shape
+    extent_q, extent_k = _extents(q, k, tensors, shape)
     bias = tensors.attn_bias
     if bias is not None:
         bias = bias.expand(batch, nheads_q, seqlen_q, seqlen_k)  # a view: broadcast dims get stride 0
@@ -185,7 +193,7 @@ def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: 
         CuSeqlensK=tensors.cu_seqlens_k if tensors.is_varlen else q,
         **_strides("b", "bhmn", (0, 0, 0, 0) if bias is None else bias.stride()),
         stride_ab=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-        nheads_q=nheads_q, group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        nheads_q=nheads_q, group_size=nheads_q // nheads_k, seqlen_q=extent_q, seqlen_k=extent_k,
         qk_scale=options.softmax_scale * LOG2E,
         softcap_scale=options.softmax_scale / softcap if softcap > 0 else 1.0,
         softcap_log2=softcap * LOG2E,
@@ -196,10 +204,14 @@ def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: 
     )
 
 
-def _lse_empty(q, batch, nheads_q, seqlen_q, tensors: AttentionTensors):
+def _forward_outputs(q, batch, nheads_q, seqlen_q, tensors: AttentionTensors):
+    """(out, lse) to write into. A packed batch's are filled with 0 and −inf first: tokens that its
+    cu_seqlens leave out of every sequence are never written by the kernel."""
     if tensors.is_varlen:
-        return torch.empty((nheads_q, q.shape[0]), dtype=torch.float32, device=q.device)
-    return torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+                torch.full((nheads_q, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device))
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device))
 
 
 def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
@@ -211,8 +223,7 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
             return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal)
         shape = _shape(q, k, options, tensors)
         batch, seqlen_q, seqlen_k, nheads_q, _, head_dim = shape
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = _lse_empty(q, batch, nheads_q, seqlen_q, tensors)
+        out, lse = _forward_outputs(q, batch, nheads_q, seqlen_q, tensors)
         padded = configs.block_d(head_dim)
         use_tma = tma_usable(tensors, seqlen_q, seqlen_k, q, k, v, out)
         cfg = configs.fwd_config(padded, q.dtype, options.window_right >= 0, tensors.attn_bias is not None, use_tma)
@@ -222,7 +233,7 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
                          V=_descriptor(v, cfg["BLOCK_N"], padded), Out=_descriptor(out, cfg["BLOCK_M"], padded))
         _launch(
             attn_fwd_kernel, (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
-            **tiles, Lse=lse, **_variant_arguments(options, tensors, q, shape),
+            **tiles, Lse=lse, **_variant_arguments(options, tensors, q, k, shape),
             **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
             **_token_strides("o", out), **_lse_strides(lse),
             USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded, **cfg,
@@ -240,7 +251,10 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
     padded = configs.block_d(head_dim)
     dkdv_cfg, dq_cfg = configs.bwd_configs(padded, q.dtype)
-    variant = _variant_arguments(options, tensors, q, shape)
+    variant = _variant_arguments(options, tensors, q, k, shape)
+    if tensors.is_varlen:  # tokens outside every sequence: zero gradients (the kernels never write them)
+        for grad in (dq, dk, dv):
+            grad.zero_()
     dbias = None
     if bias_grad:
         if batch * nheads_q * seqlen_q * seqlen_k > configs.INT32_MAX:
@@ -254,7 +268,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
             attn_bwd_preprocess_kernel, (cdiv(seqlen_q, 64), nheads_q, batch),
             Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
             **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
-            seqlen_q=seqlen_q, IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim, BLOCK_D=padded, BLOCK_M=64,
+            seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim, BLOCK_D=padded, BLOCK_M=64,
         )
         shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
                       **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),

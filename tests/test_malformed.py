@@ -1,0 +1,123 @@
+"""Malformed index inputs: a clear error where checking is free, memory safety everywhere.
+
+The public functions refuse a malformed ``cu_seqlens`` (or a ``max_seqlen`` below the longest
+sequence) with a ValueError naming it whenever its values are on the host: CPU tensors, or any
+tensor with ``FLASHTILE_CHECK_INPUTS=1``. Below the validation, the kernels clamp each sequence into
+the token axes (``reference.sequence_slices`` states the rule), so no value reaches outside the
+tensors, and tokens outside every sequence get output 0, log-sum-exp −inf and zero gradients; the
+CPU path applies the same rule. Those kernel-level cases run in a subprocess, so that a crash
+(what the interpreter did before: heap corruption) fails the test instead of killing pytest.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import DEVICE
+
+import flashtile
+
+TOKENS = 10
+
+
+def _packed(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(TOKENS, 1, 16, generator=g).to(DEVICE, torch.float16) for _ in range(3))
+    return q, k, v
+
+
+def _cu(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "values, max_seqlen, message",
+    [
+        ([0, 3, 3, 14], 11, r"cu_seqlens_q ends at 14, past the 10 tokens of q"),
+        ([-3, 3, 3, 10], 7, r"cu_seqlens_q must start at 0"),
+        ([0, 5, 3, 10], 7, r"cu_seqlens_q must be non-decreasing"),
+        ([2, 3, 3, 10], 7, r"cu_seqlens_q must start at 0"),
+        ([0, 8, 10], 4, r"max_seqlen_q=4 is less than the longest sequence of cu_seqlens_q \(8\)"),
+    ],
+    ids=["past-the-end", "negative", "decreasing", "first-not-0", "max-seqlen-short"],
+)
+def test_malformed_cu_seqlens_raise_where_checking_is_free(values, max_seqlen, message, monkeypatch):
+    if DEVICE == "cuda":
+        monkeypatch.setenv("FLASHTILE_CHECK_INPUTS", "1")  # device tensors: the opt-in check
+    q, k, v = _packed()
+    with pytest.raises(ValueError, match=message):
+        flashtile.flash_attn_varlen_func(q, k, v, _cu(values), _cu(values), max_seqlen, max_seqlen)
+
+
+def test_device_index_tensors_are_not_read_unless_asked(monkeypatch):
+    # on a GPU, reading cu_seqlens would cost a host sync per call: only FLASHTILE_CHECK_INPUTS=1 does
+    if DEVICE != "cuda":
+        pytest.skip("CPU tensors are always checked")
+    q, k, v = _packed()
+    flashtile.flash_attn_varlen_func(q, k, v, _cu([0, 3, 3, 14]), _cu([0, 3, 3, 14]), 11, 11)  # no error
+
+
+def test_tokens_outside_every_sequence_give_zero_and_neg_inf(backend):
+    # cu_seqlens ending before the last token: rows 8 and 9 belong to no sequence
+    q, k, v = (t.requires_grad_() for t in _packed(1))
+    cu = _cu([0, 3, 3, 8])
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, return_attn_probs=True)
+    assert (out[8:] == 0).all() and torch.isneginf(lse[:, 8:]).all() and torch.isfinite(out).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all((g[8:] == 0).all() and torch.isfinite(g).all() for g in grads)
+
+
+# Each case calls the operator itself, below the validation: (cu_seqlens, max_seqlen, whether the
+# sequences are disjoint after clamping, so that the kernels' result is the CPU path's exactly).
+KERNEL_CASES = {
+    "past-the-end": ([0, 3, 3, 14], 11, True),
+    "negative": ([-3, 3, 3, 10], 7, True),
+    "first-not-0": ([2, 3, 3, 10], 7, True),
+    "ends-early": ([0, 3, 3, 8], 5, True),
+    "no-sequences": ([0], 0, True),
+    "huge": ([0, 2**30, -2**30, 2**31 - 1], 8, True),
+    "decreasing": ([0, 5, 3, 10], 7, False),  # sequences overlap: memory safe, rows unspecified
+    "max-seqlen-short": ([0, 8, 10], 4, False),  # rows past max_seqlen are not computed by the kernels
+}
+
+_SNIPPET = """
+import json, os, sys, torch
+import flashtile
+from flashtile._options import AttentionOptions, AttentionTensors
+values, max_seqlen, device = json.loads(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+q, k, v, do = (torch.randn(10, 1, 16, generator=g).to(device, torch.float16) for _ in range(4))
+cu = torch.tensor(values, dtype=torch.int32, device=device)
+call = (*AttentionTensors(cu_seqlens_q=cu, cu_seqlens_k=cu), *AttentionOptions(0.25, 7, 0, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen))
+results = {}
+for path in ("kernels", "cpu"):
+    os.environ["TRITON_INTERPRET"] = "1" if path == "kernels" and device == "cpu" else "0"
+    tensors = [t.cpu() if path == "cpu" else t for t in (q, k, v, do)]
+    cu_path = cu.cpu() if path == "cpu" else cu
+    call_path = (*AttentionTensors(cu_seqlens_q=cu_path, cu_seqlens_k=cu_path), *call[5:])
+    out, lse = torch.ops.flashtile.fwd(*tensors[:3], *call_path)
+    grads = [torch.empty_like(t) for t in tensors[:3]]
+    torch.ops.flashtile.bwd(tensors[3], *tensors[:3], out, lse, *grads, False, *call_path)
+    results[path] = [t.cpu().double() for t in (out, lse, *grads)]
+finite = all(torch.isfinite(t).all() for t in results["kernels"][:1] + results["kernels"][2:])
+lse_ok = not torch.isnan(results["kernels"][1]).any()
+same = all(torch.allclose(a, b, atol=1e-2, equal_nan=True) for a, b in zip(results["kernels"], results["cpu"]))
+print(json.dumps(dict(finite=bool(finite and lse_ok), same=bool(same))))
+"""
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernels_stay_inside_their_tensors(case):
+    values, max_seqlen, disjoint = KERNEL_CASES[case]
+    env = dict(os.environ, TRITON_INTERPRET="1" if DEVICE == "cpu" else "0")
+    result = subprocess.run([sys.executable, "-c", _SNIPPET, json.dumps([values, max_seqlen, DEVICE])],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, f"the process died ({result.returncode}): {result.stderr[-2000:]}"
+    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
+    if disjoint:
+        assert verdict["same"], "the kernels and the CPU path disagree"
