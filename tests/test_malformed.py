@@ -121,3 +121,97 @@ def test_kernels_stay_inside_their_tensors(case):
     assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
     if disjoint:
         assert verdict["same"], "the kernels and the CPU path disagree"
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache: cache_seqlens, cache_batch_idx, block_table
+
+
+def _cache(paged: bool, seed=2):
+    """q (2, 1, 2, 16), new k/v (2, 2, 1, 16), caches of capacity 16: 2 rows, or 4 pages of 8."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, torch.float16)
+
+    shape = (4, 8, 1, 16) if paged else (2, 16, 1, 16)
+    return rand(2, 1, 2, 16), rand(2, 2, 1, 16), rand(2, 2, 1, 16), rand(*shape), rand(*shape)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(cache_seqlens=[-2, 3]), r"cache_seqlens\[0\]=-2 \(\+ 2 new\) does not fit a cache of 16 positions"),
+        (dict(cache_seqlens=[3, 15]), r"cache_seqlens\[1\]=15 \(\+ 2 new\) does not fit"),
+        (dict(cache_batch_idx=[0, 2]), r"cache_batch_idx\[1\]=2 is not a row of the cache \(0..1\)"),
+        (dict(block_table=[[0, 1], [2, -1]], cache_seqlens=[3, 9]), r"block_table\[1, 1\]=-1 is not a page"),
+        (dict(block_table=[[0, 10**6], [2, 3]], cache_seqlens=[9, 3]), r"block_table\[0, 1\]=1000000 is not a page"),
+    ],
+    ids=["seqlens-negative", "seqlens-past-capacity", "batch-idx", "page-negative", "page-huge"],
+)
+def test_malformed_cache_indices_raise_where_checking_is_free(change, message, monkeypatch):
+    if DEVICE == "cuda":
+        monkeypatch.setenv("FLASHTILE_CHECK_INPUTS", "1")
+    q, k, v, k_cache, v_cache = _cache(paged="block_table" in change)
+    indices = {name: _cu(value) for name, value in change.items()}
+    indices.setdefault("cache_seqlens", _cu([3, 5]))
+    with pytest.raises(ValueError, match=message):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **indices)
+
+
+def test_unused_block_table_entries_are_not_checked():
+    # serving engines pad block tables: entries past a sequence's pages may hold anything
+    q, k, v, k_cache, v_cache = _cache(paged=True)
+    table = _cu([[0, -1], [2, 10**6]])
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=_cu([3, 5]), block_table=table)
+
+
+# (cache_seqlens, cache_batch_idx, block_table): index values the kernels meet unchecked
+CACHE_CASES = {
+    "seqlens-negative": ([-2, 3], None, None),
+    "seqlens-past-capacity": ([15, 40], None, None),
+    "batch-idx-outside": ([3, 5], [1, 7], None),
+    "batch-idx-negative": ([3, 5], [-1, 0], None),
+    "page-negative": ([3, 9], None, [[0, 1], [2, -1]]),
+    "page-huge": ([9, 3], None, [[0, 10**6], [2, 3]]),
+}
+
+_CACHE_SNIPPET = """
+import json, os, sys, torch
+from flashtile import ops
+from flashtile._options import AttentionOptions
+seqlens, batch_idx, table, device = json.loads(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+paged = table is not None
+shape = (4, 8, 1, 16) if paged else (2, 16, 1, 16)
+q, k, v = (torch.randn(*s, generator=g).to(device, torch.float16) for s in ((2, 1, 2, 16), (2, 2, 1, 16), (2, 2, 1, 16)))
+cache = torch.randn(*shape, generator=g).to(device, torch.float16)
+as_int = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32, device=device)
+results = {}
+for path in ("kernels", "cpu"):
+    os.environ["TRITON_INTERPRET"] = "1" if path == "kernels" and device == "cpu" else "0"
+    on = (lambda t: t.cpu()) if path == "cpu" else (lambda t: t)
+    k_cache, v_cache = on(cache).clone(), on(cache).clone() * 2
+    cache_seqlens, idx, block_table = (None if t is None else on(t) for t in map(as_int, (seqlens, batch_idx, table)))
+    ops.kvcache_append(k_cache, v_cache, on(k), on(v), cache_seqlens, idx, block_table)
+    out, lse = ops.kvcache_attention(on(q), k_cache, v_cache, cache_seqlens + 2, idx, block_table,
+                                     AttentionOptions(0.25, window_right=0), None, 2)
+    results[path] = [t.cpu().double() for t in (out, lse, k_cache, v_cache)]
+finite = bool(torch.isfinite(results["kernels"][0]).all() and not torch.isnan(results["kernels"][1]).any())
+same = all(torch.allclose(a, b, atol=1e-2, equal_nan=True) for a, b in zip(results["kernels"], results["cpu"]))
+print(json.dumps(dict(finite=finite, same=bool(same))))
+"""
+
+
+@pytest.mark.parametrize("case", CACHE_CASES)
+def test_cache_kernels_stay_inside_their_tensors(case):
+    # the append drops writes outside the cache, the attention reads no key outside it, and both
+    # paths follow the same rule: the caches after the append and the outputs agree
+    seqlens, batch_idx, table = CACHE_CASES[case]
+    env = dict(os.environ, TRITON_INTERPRET="1" if DEVICE == "cpu" else "0")
+    result = subprocess.run([sys.executable, "-c", _CACHE_SNIPPET, json.dumps([seqlens, batch_idx, table, DEVICE])],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, f"the process died ({result.returncode}): {result.stderr[-2000:]}"
+    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
+    assert verdict["same"], "the kernels and the CPU path disagree"

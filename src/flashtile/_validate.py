@@ -287,11 +287,44 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    seqlen_new = k.shape[1] if k is not None else 0
     if isinstance(cache_seqlens, int):
-        needed = cache_seqlens + (k.shape[1] if k is not None else 0)
+        needed = cache_seqlens + seqlen_new
         if not 0 <= cache_seqlens or needed > capacity:
             raise ValueError(f"cache_seqlens={cache_seqlens} (+ {needed - cache_seqlens} new) does not fit "
                              f"a cache of {capacity} positions")
+    _check_kvcache_indices(k_cache, cache_seqlens, seqlen_new, capacity, cache_batch_idx, block_table)
+
+
+def _check_kvcache_indices(k_cache, cache_seqlens, seqlen_new: int, capacity: int, cache_batch_idx,
+                           block_table) -> None:
+    """The values of the index tensors, where :func:`checks_contents` reads them: every sequence
+    (with its new keys) fits the cache, cache rows and the pages it uses exist."""
+    cache_rows, page_size = k_cache.shape[:2]
+    if isinstance(cache_seqlens, torch.Tensor) and checks_contents(cache_seqlens):
+        lengths = cache_seqlens.tolist()
+        bad = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity - seqlen_new]
+        if bad:
+            b, n = bad[0]
+            raise ValueError(f"cache_seqlens[{b}]={n} (+ {seqlen_new} new) does not fit a cache of {capacity} "
+                             f"positions ({len(bad)} sequences out of range)")
+    if cache_batch_idx is not None and checks_contents(cache_batch_idx):
+        rows = cache_batch_idx.tolist()
+        bad = [(b, r) for b, r in enumerate(rows) if not 0 <= r < cache_rows]
+        if bad:
+            raise ValueError(f"cache_batch_idx[{bad[0][0]}]={bad[0][1]} is not a row of the cache "
+                             f"(0..{cache_rows - 1})")
+    if block_table is not None and checks_contents(block_table):
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = [n + seqlen_new for n in cache_seqlens.tolist()]
+        else:
+            lengths = [capacity if cache_seqlens is None else cache_seqlens + seqlen_new] * block_table.shape[0]
+        for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
+            used = row[:-(-length // page_size)]  # the pages holding the sequence's keys
+            bad = [(j, page) for j, page in enumerate(used) if not 0 <= page < cache_rows]
+            if bad:
+                raise ValueError(f"block_table[{b}, {bad[0][0]}]={bad[0][1]} is not a page of the cache "
+                                 f"(0..{cache_rows - 1})")
 
 
 def check_num_splits(num_splits) -> int:

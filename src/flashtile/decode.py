@@ -38,29 +38,7 @@ import torch
 
 from . import _validate, ops
 
-__all__ = ["append_to_kvcache", "flash_attn_with_kvcache"]
-
-
-def _cache_rows(k_cache, batch, cache_batch_idx):
-    """Index of each sequence's row in a non-paged cache, [B] int64."""
-    if cache_batch_idx is None:
-        return torch.arange(batch, device=k_cache.device)
-    return cache_batch_idx.long()
-
-
-def append_to_kvcache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
-    """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1."""
-    batch, seqlen_new = k.shape[:2]
-    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)  # [B, Sn]
-    if block_table is None:
-        rows = _cache_rows(k_cache, batch, cache_batch_idx)[:, None]  # [B, 1]
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-    else:
-        page_size = k_cache.shape[1]
-        pages = torch.gather(block_table.long(), 1, positions // page_size)  # [B, Sn]
-        k_cache[pages, positions % page_size] = k
-        v_cache[pages, positions % page_size] = v
+__all__ = ["flash_attn_with_kvcache"]
 
 
 def flash_attn_with_kvcache(
@@ -126,7 +104,7 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     seqlens_k = cache_seqlens
     if k is not None:
-        append_to_kvcache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         seqlens_k = cache_seqlens + k.shape[1]
 
     if batch * seqlen_q == 0:

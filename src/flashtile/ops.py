@@ -40,8 +40,8 @@ from ._options import AttentionOptions, AttentionTensors, fold_causal
 from .triton import launch
 from .triton._interpreter import interpreting
 
-__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_op", "kvcache_attention",
-           "merge_states", "uses_triton"]
+__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_op", "kvcache_append",
+           "kvcache_attention", "merge_states", "uses_triton"]
 
 BACKENDS = {
     "cuda": "the Triton kernels on the GPU (on sm_90 the plain forward is the Gluon kernel)",
@@ -239,6 +239,15 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
 
 # ----------------------------------------------------------------------------------------------
 # KV-cache forward and merging, by device
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+    """Write k, v [B, Sn, Hk, D] into the caches in place at cache_seqlens[b] + 0..Sn-1; a write outside
+    the cache is dropped (the Triton kernel, or the reference's indexing on the CPU path)."""
+    if uses_triton(k):
+        launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    else:
+        reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,

@@ -62,7 +62,7 @@ Conventions (shared with the kernels):
 
 from .attention import attention_backward, attention_forward, tiled_attention_backward, tiled_attention_forward
 from .dropout import dropout_keep_mask, philox_uniform
-from .kvcache import kvcache_attention_reference
+from .kvcache import kvcache_append_reference, kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
 from .softmax import merge_softmax_states, merge_split_states, online_softmax
 from .varlen import (sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
@@ -86,6 +86,7 @@ __all__ = [
     "varlen_attention_forward",
     "tiled_varlen_attention_forward",
     "tiled_varlen_attention_backward",
+    "kvcache_append_reference",
     "kvcache_attention_reference",
     "sequence_slices",
 ]

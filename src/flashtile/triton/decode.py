@@ -22,6 +22,11 @@ block table, so any page size works (flash-attn 2 needs multiples of 256). Witho
 
 Conventions: bottom-right causal alignment per sequence; a split that sees no key writes output 0
 and log-sum-exp −inf (natural log, float32), which the merge weights 0.
+
+Memory safety: whatever the index tensors hold, no load leaves the tensors: each sequence's length
+is clamped into [0, capacity]; a ``CacheBatchIdx`` outside [0, cache_rows) makes the sequence see no
+key; a ``BlockTable`` page id outside [0, cache_rows) (the number of pages) makes that page's keys
+invisible. (``flashtile._validate`` refuses such values wherever reading them is free.)
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def kvcache_attn_fwd_kernel(
     stride_op, stride_ob, stride_os, stride_oh, stride_od,
     stride_lp, stride_lb, stride_lh, stride_ls,
     stride_tb, stride_tn, stride_ab, stride_ah,
-    nheads_k, group_size, seqlen_q, num_splits, page_size,
+    nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -74,16 +79,19 @@ def kvcache_attn_fwd_kernel(
         k_base = K + i_hk * stride_kh
         v_base = V + i_hk * stride_vh
         table_base = BlockTable + i_b.to(tl.int64) * stride_tb
-    else:
+    # a sequence's valid keys, clamped into the cache: no cache_seqlens value reaches outside it
+    seqlen_k = tl.minimum(tl.maximum(tl.load(SeqlensK + i_b), 0), capacity)
+    if not IS_PAGED:
+        i_cache = i_b.to(tl.int64)
         if HAS_BATCH_IDX:
             i_cache = tl.load(CacheBatchIdx + i_b).to(tl.int64)
-        else:
-            i_cache = i_b.to(tl.int64)
+            # a cache row outside the cache: the sequence sees no key (output 0, log-sum-exp -inf)
+            seqlen_k = tl.where((i_cache >= 0) & (i_cache < cache_rows), seqlen_k, 0)
+            i_cache = tl.minimum(tl.maximum(i_cache, 0), cache_rows - 1)
         k_base = K + i_cache * stride_kb + i_hk * stride_kh
         v_base = V + i_cache * stride_vb + i_hk * stride_vh
 
     # -- the keys this block of rows can see, [lo, hi), cut into num_splits runs of whole blocks
-    seqlen_k = tl.load(SeqlensK + i_b)
     diagonal = seqlen_k - seqlen_q  # bottom-right alignment, per sequence
     first_q = (i_m * BLOCK_M) // group_size
     last_q = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // group_size, seqlen_q - 1)
@@ -100,8 +108,11 @@ def kvcache_attn_fwd_kernel(
         cols = start_n + o_n
         m_n = cols < split_hi
         if IS_PAGED:
-            # key j lives in page block_table[b, j // page_size], row j % page_size
+            # key j lives in page block_table[b, j // page_size], row j % page_size; a page id outside
+            # the cache makes its keys invisible and is never dereferenced
             b_page = tl.load(table_base + (cols // page_size) * stride_tn, mask=m_n, other=0).to(tl.int64)
+            m_n = m_n & (b_page >= 0) & (b_page < cache_rows)
+            b_page = tl.where(m_n, b_page, 0)
             k_rows = b_page * stride_kb + (cols % page_size) * stride_ks  # [BLOCK_N]
             v_rows = b_page * stride_vb + (cols % page_size) * stride_vs
         else:
@@ -135,3 +146,56 @@ def kvcache_attn_fwd_kernel(
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     lse_base = Lse + i_split * stride_lp + i_b.to(tl.int64) * stride_lb
     tl.store(lse_base + o_hq * stride_lh + o_q * stride_ls, lse, mask=m_r)
+
+
+@triton.jit
+def kvcache_append_kernel(
+    K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_wb, stride_ws, stride_wh, stride_wd,
+    stride_tb, stride_tn,
+    seqlen_new, page_size, capacity, cache_rows,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i.
+
+    One program per (block of new rows, KV head, sequence). A write lands only where it is inside
+    the cache: position in [0, capacity), cache row (``CacheBatchIdx``) or page (``BlockTable``) in
+    [0, cache_rows); any other is dropped, so no index value can write outside the cache or over
+    another sequence's slot."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < seqlen_new
+    m_d = o_d < HEAD_DIM
+    positions = tl.load(CacheSeqlens + i_b).to(tl.int64) + o_s  # [BLOCK_S]
+    valid = m_s & (positions >= 0) & (positions < capacity)
+    positions = tl.where(valid, positions, 0)
+    if IS_PAGED:
+        page = tl.load(BlockTable + i_b * stride_tb + (positions // page_size) * stride_tn, mask=valid,
+                       other=0).to(tl.int64)
+        valid = valid & (page >= 0) & (page < cache_rows)
+        page = tl.where(valid, page, 0)
+        k_rows = page * stride_cb + (positions % page_size) * stride_cs
+        v_rows = page * stride_wb + (positions % page_size) * stride_ws
+    else:
+        row = i_b
+        if HAS_BATCH_IDX:
+            row = tl.load(CacheBatchIdx + i_b).to(tl.int64)
+            valid = valid & (row >= 0) & (row < cache_rows)
+            row = tl.where((row >= 0) & (row < cache_rows), row, 0)
+        k_rows = row * stride_cb + positions * stride_cs
+        v_rows = row * stride_wb + positions * stride_ws
+    mask_new = m_s[:, None] & m_d[None, :]
+    mask_cache = valid[:, None] & m_d[None, :]
+    b_k = tl.load(K + i_b * stride_kb + i_h * stride_kh + o_s[:, None] * stride_ks + o_d[None, :] * stride_kd,
+                  mask=mask_new, other=0.0)  # [BLOCK_S, BLOCK_D]
+    b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs + o_d[None, :] * stride_vd,
+                  mask=mask_new, other=0.0)  # [BLOCK_S, BLOCK_D]
+    tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k, mask=mask_cache)
+    tl.store(VCache + i_h * stride_wh + v_rows[:, None] + o_d[None, :] * stride_wd, b_v, mask=mask_cache)

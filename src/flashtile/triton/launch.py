@@ -32,7 +32,7 @@ from .._options import AttentionOptions, AttentionTensors
 from . import _interpreter, configs
 from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
 from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
-from .decode import kvcache_attn_fwd_kernel
+from .decode import kvcache_append_kernel, kvcache_attn_fwd_kernel
 from .merge import merge_states_kernel
 
 _interpreter.apply_fixes()
@@ -41,8 +41,8 @@ if gluon.written_for():
 else:  # another Triton's Gluon may not even import these kernels: the Triton kernels run everything
     sm90_fwd = None
 
-__all__ = ["attention_forward", "attention_backward", "kvcache_attention_forward", "merge_states_into",
-           "num_splits_heuristic", "split_plan"]
+__all__ = ["attention_forward", "attention_backward", "kvcache_append", "kvcache_attention_forward",
+           "merge_states_into", "num_splits_heuristic", "split_plan"]
 
 LOG2E = 1.4426950408889634  # 1 / ln 2; the kernels work in base 2 (exp2) and repeat it as a literal
 
@@ -378,7 +378,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             **_strides("l", "pbhs", lse_part.stride()), **_strides("t", "bn", table.stride()),
             **_strides("a", "bh", slopes.stride()),
             nheads_k=nheads_k, group_size=group_size, seqlen_q=seqlen_q, num_splits=num_splits,
-            page_size=k_cache.shape[1], qk_scale=options.softmax_scale * LOG2E,
+            page_size=k_cache.shape[1], capacity=max_seqlen_k, cache_rows=k_cache.shape[0],
+            qk_scale=options.softmax_scale * LOG2E,
             softcap_scale=options.softmax_scale / softcap if softcap > 0 else 0.0, softcap_log2=softcap * LOG2E,
             window_left=options.window_left, window_right=options.window_right,
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
@@ -389,6 +390,28 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         if num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
     return out, lse
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+    """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1;
+    writes outside the cache are dropped (``decode.kvcache_append_kernel``)."""
+    batch, seqlen_new, nheads_k, head_dim = k.shape
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    table = block_table if paged else cache_seqlens[:, None]  # an unread stand-in when not paged
+    block_s = min(64, next_power_of_2(seqlen_new))
+    with launch_device(k):
+        _launch(
+            kvcache_append_kernel, (cdiv(seqlen_new, block_s), nheads_k, batch),
+            K=k, V=v, KCache=k_cache, VCache=v_cache, CacheSeqlens=cache_seqlens,
+            CacheBatchIdx=cache_seqlens if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
+            **_strides("k", "bshd", k.stride()), **_strides("v", "bshd", v.stride()),
+            **_strides("c", "bshd", k_cache.stride()), **_strides("w", "bshd", v_cache.stride()),
+            **_strides("t", "bn", table.stride()),
+            seqlen_new=seqlen_new, page_size=k_cache.shape[1], capacity=capacity, cache_rows=k_cache.shape[0],
+            IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HEAD_DIM=head_dim,
+            BLOCK_D=configs.block_d(head_dim), BLOCK_S=block_s,
+        )
 
 
 def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
