@@ -24,10 +24,14 @@ Paged cache: ``k_cache`` is (num_blocks, page_size, nheads_k, headdim) and key `
 sequence ``b`` lives at ``k_cache[block_table[b, j // page_size], j % page_size]``; any page
 size works (flash-attn 2 needs multiples of 256).
 
-Limits: the append is done by PyTorch indexing before the kernel (a few small launches; not
-fused into the attention kernel). The caller guarantees capacity: ``cache_seqlens[b] +
-seqlen_new`` must not exceed the cache length (or the pages of ``block_table``), which is not
-checked for tensor ``cache_seqlens`` because that would need a device-to-host sync. No backward.
+Index values: ``cache_seqlens[b] + seqlen_new`` must fit the cache, ``cache_batch_idx`` must
+name cache rows and the pages of ``block_table`` that a sequence uses must exist. That is checked
+with a ValueError wherever reading the values is free (CPU tensors, Python ints) and, for GPU
+tensors, with ``FLASHTILE_CHECK_INPUTS=1`` (one sync each). Unchecked values never make a kernel
+touch memory outside its tensors: an append outside the cache is dropped, a length is clamped into
+the cache, a cache row outside it gives an empty sequence (output 0, log-sum-exp −inf), a page
+outside it holds no key. Limits: the append is its own small kernel before the attention kernel
+(not fused into it). No backward.
 """
 
 from __future__ import annotations
