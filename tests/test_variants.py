@@ -116,12 +116,17 @@ def _bias(kind, batch, nheads, seqlen_q, seqlen_k, dtype):
         return bias.to(DEVICE)
     if kind == "bool":
         return (torch.rand(batch, 1, seqlen_q, seqlen_k, generator=g) > 0.4).to(DEVICE)
+    if kind == "bool-padding":  # a key-padding mask (no gradient): broadcast over heads and queries
+        keep = torch.ones(batch, 1, 1, seqlen_k, dtype=torch.bool)
+        keep[1, ..., seqlen_k - 20:] = False
+        return keep.to(DEVICE)
     if kind == "bool-causal-band":  # the mask form of a causal window, with empty rows
         return ref.visible_mask(seqlen_q, seqlen_k, causal=True, window_size=(10, 0), device=DEVICE)
     raise ValueError(kind)
 
 
-BIASES = ["float-full", "float-per-key", "float-per-batch-query", "float-padding", "bool", "bool-causal-band"]
+BIASES = ["float-full", "float-per-key", "float-per-batch-query", "float-padding", "bool", "bool-padding",
+          "bool-causal-band"]
 
 
 @with_descriptor_loads

@@ -202,11 +202,9 @@ def attn_mask_to_bias(attn_mask, q, k):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    try:
-        broadcast = torch.broadcast_shapes(attn_mask.shape, full)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != full:
+    # broadcastable to exactly `full` (torch.broadcast_shapes says the same at ~60 µs a call)
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(size not in (1, target) for size, target in zip(reversed(shape), reversed(full))):
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"(batch, nheads, seqlen_q, seqlen_k) = {full}")
     if attn_mask.device != q.device:

@@ -5,8 +5,9 @@ backward; what ``scaled_dot_product_attention`` runs on a CPU) computes the same
 returns the same natural-log log-sum-exp, and rebuilds P from a given log-sum-exp in its backward,
 so it can stand in for the tiled reference wherever the two agree exactly:
 
-* no variant: no sliding window, softcap, ALiBi, bias or dropout (PyTorch draws its own dropout
-  mask; flashtile's is Philox, regenerated in the backward);
+* no variant but an additive bias (SDPA's attn_mask, whose gradient is not asked for): no sliding
+  window, softcap, ALiBi or dropout (PyTorch draws its own dropout mask; flashtile's is Philox,
+  regenerated in the backward);
 * full attention, or causal attention with seqlen_q = seqlen_k (PyTorch aligns causal masks to the
   top-left corner, flashtile to the bottom-right: the two coincide only on square masks) or with
   seqlen_q = 1 (a decoding step: its one query sees every key, which is full attention). A packed
@@ -43,12 +44,16 @@ def _pytorch_causal(options: AttentionOptions, seqlen_q: int, seqlen_k: int) -> 
     return None
 
 
-def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, tensors: AttentionTensors) -> bool:
+def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, tensors: AttentionTensors,
+                  bias_grad: bool = False) -> bool:
     """Whether this module computes the call: q [B, Nq, Hq, D], k [B, Nk, Hk, D] that PyTorch's fused
-    kernel computes exactly, or a packed batch (total, H, D) of full or causal attention without
-    variants (:func:`varlen_attention_forward` then picks the path per sequence)."""
-    variants = (tensors.alibi_slopes, tensors.attn_bias, tensors.dropout_seed)
+    kernel computes exactly — an additive bias included (SDPA's attn_mask: added to the scaled
+    scores in both), unless its gradient is wanted —, or a packed batch (total, H, D) of full or
+    causal attention without variants (:func:`varlen_attention_forward` picks the path per sequence)."""
+    variants = (tensors.alibi_slopes, tensors.dropout_seed)
     if any(t is not None for t in variants) or options.softcap != 0 or options.dropout_p != 0:
+        return False
+    if tensors.attn_bias is not None and (bias_grad or tensors.is_varlen):
         return False
     if tensors.is_varlen:
         return options.window in ((-1, -1), (-1, 0))
@@ -69,12 +74,21 @@ class _Layout:
     position, so causal attention repeats K/V over the group instead (and sums dK/dV back).
     """
 
-    def __init__(self, q, k, options: AttentionOptions):
+    def __init__(self, q, k, options: AttentionOptions, bias):
         self.batch, self.seqlen_q, self.nheads_q = q.shape[:3]
         self.nheads_k = k.shape[2]
         self.group = self.nheads_q // self.nheads_k
         self.causal = _pytorch_causal(options, q.shape[1], k.shape[1])
-        self.fold = self.group > 1 and not self.causal
+        if bias is not None:  # as 4-D; PyTorch's kernel takes it in its own dtype (float32 here)
+            bias = bias.float().reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        # a bias that differs between query heads cannot follow their rows into a KV head's
+        self.fold = self.group > 1 and not self.causal and (bias is None or bias.shape[1] == 1)
+        if self.fold and bias is not None:  # the same bias rows for each query head of a group
+            batch, seqlen_k = bias.shape[0], bias.shape[3]
+            bias = bias.expand(batch, 1, self.seqlen_q, seqlen_k).unsqueeze(2)
+            bias = bias.expand(batch, 1, self.group, self.seqlen_q, seqlen_k)
+            bias = bias.reshape(batch, 1, self.group * self.seqlen_q, seqlen_k)
+        self.bias = bias
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """q, out or dout [B, Nq, Hq, D] → float32 [B, H, rows, D] as the kernel takes them."""
@@ -99,20 +113,27 @@ class _Layout:
         return t.unflatten(1, (self.nheads_k, self.group)).sum(2) if self.group > 1 and not self.fold else t
 
 
-def fused_attention_forward(q, k, v, options: AttentionOptions):
-    """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts."""
-    layout = _Layout(q, k, options)
+def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
+    """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts.
+    A row that a bias leaves no key gets output 0, as flashtile's, and log-sum-exp −inf (PyTorch's
+    kernel reports 0 there)."""
+    layout = _Layout(q, k, options, bias)
     out, lse = _FORWARD(layout.rows(q), layout.keys(k), layout.keys(v), 0.0, layout.causal,
-                        scale=options.softmax_scale)
+                        attn_mask=layout.bias, scale=options.softmax_scale)
     out, lse = layout.unfold_rows(out), layout.unfold_rows(lse)
+    if bias is not None:
+        lse = lse.masked_fill(torch.isneginf(bias).all(-1).expand(lse.shape), float("-inf"))
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse
 
 
-def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions):
+def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):
     """→ (dq, dk, dv) in the inputs' layouts (float32), P rebuilt from ``lse``."""
-    layout = _Layout(q, k, options)
+    layout = _Layout(q, k, options, bias)
+    # a row that sees no key: any finite lse rebuilds its P as 0 (its scores are −inf), −inf would give NaN
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0).contiguous()
     dq, dk, dv = _BACKWARD(layout.rows(dout), layout.rows(q), layout.keys(k), layout.keys(v), layout.rows(out),
-                           layout.fold_lse(lse.contiguous()), 0.0, layout.causal, scale=options.softmax_scale)
+                           layout.fold_lse(lse), 0.0, layout.causal, attn_mask=layout.bias,
+                           scale=options.softmax_scale)
     dk, dv = layout.sum_keys(dk), layout.sum_keys(dv)
     return layout.unfold_rows(dq).transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 

@@ -114,6 +114,12 @@ def _reference_arguments(options: AttentionOptions, tensors: AttentionTensors) -
                 dropout_seed=int(seed.item()) if seed is not None else None)
 
 
+def _wants_grad(t) -> bool:
+    # inside autograd.Function.forward grad mode is off, but a leaf that will want its gradient
+    # still says so: then the backward needs the bias gradient, which the fused CPU kernel lacks
+    return t is not None and t.requires_grad
+
+
 def _fwd(q, k, v, *arguments):
     tensors, options = _call(arguments)
     if _attends_nothing(q, k, tensors):
@@ -121,10 +127,10 @@ def _fwd(q, k, v, *arguments):
         return q.new_zeros(q.shape), torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
     if uses_triton(q):
         return launch.attention_forward(q, k, v, options, tensors)
-    if cpu.fused_applies(q, k, options, tensors):
+    if cpu.fused_applies(q, k, options, tensors, bias_grad=_wants_grad(tensors.attn_bias)):
         if tensors.is_varlen:
             return cpu.varlen_attention_forward(q, k, v, options, tensors)
-        return cpu.fused_attention_forward(q, k, v, options)
+        return cpu.fused_attention_forward(q, k, v, options, tensors.attn_bias)
     if tensors.is_varlen:
         out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
                                                             **_reference_arguments(options, tensors))
@@ -150,11 +156,11 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     if uses_triton(q):
         dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
-    if cpu.fused_applies(q, k, options, tensors):
+    if cpu.fused_applies(q, k, options, tensors, bias_grad):
         if tensors.is_varlen:
             grads = cpu.varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
         else:
-            grads = cpu.fused_attention_backward(dout, q, k, v, out, lse, options)
+            grads = cpu.fused_attention_backward(dout, q, k, v, out, lse, options, tensors.attn_bias)
         for buffer, grad in zip((dq, dk, dv), grads):
             buffer.copy_(grad)
         return no_bias_grad
