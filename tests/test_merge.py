@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import DEVICE, DTYPES, assert_accurate
 
+import flashtile
 from flashtile import reference as ref
 from flashtile.merge import merge_attention_states, merge_split_attention_states
 
@@ -145,3 +146,20 @@ def test_bad_shapes_raise_clear_errors():
         merge_split_attention_states(outs.double(), lses)
     with pytest.raises(ValueError, match=r"out_a \(2, 9, 3, 40\) and out_b \(2, 8, 3, 40\) must have the same shape"):
         merge_attention_states(outs[0], lses[0], outs[1][:, :8], lses[1][..., :8])
+
+
+def test_flash_attn_combine_in_fa3_layouts(backend):
+    # FA3's combine: out_partial (splits, batch, seqlen, nheads, headdim), lse_partial (splits, batch,
+    # seqlen, nheads); the same merge as merge_split_attention_states, in those layouts
+    outs, lses = random_states(3, seed=10)  # outs [P, B, S, H, D], lses [P, B, H, S]
+    lses[:, 0, :, 2] = -math.inf  # batch 0, row 2: every split empty
+    expected_out, expected_lse = merge_split_attention_states(outs, lses)
+    out, lse = flashtile.flash_attn_combine(outs, lses.transpose(-1, -2))
+    assert_states_close((out, lse.transpose(-1, -2)), (expected_out, expected_lse))
+    assert lse.shape == outs.shape[1:4] and (out[0, 2] == 0).all() and torch.isneginf(lse[0, 2]).all()
+    buffer = torch.empty(outs.shape[1:], dtype=torch.float16, device=DEVICE)
+    written, _ = flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer)
+    assert written is buffer and torch.equal(buffer, expected_out.half())
+    assert flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"lse_partial must be \(num_splits, batch, seqlen, nheads\)"):
+        flashtile.flash_attn_combine(outs, lses)

@@ -11,12 +11,13 @@ from .interface import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from .merge import merge_attention_states, merge_split_attention_states
+from .merge import flash_attn_combine, merge_attention_states, merge_split_attention_states
 from .ops import backend
 
 __all__ = [
     "attention",
     "backend",
+    "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

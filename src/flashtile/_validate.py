@@ -365,3 +365,22 @@ def check_state_pair(out_a, lse_a, out_b, lse_b) -> None:
                 raise TypeError(f"{name}_{part} must be a torch.Tensor, got {type(t).__name__}")
         if a.shape != b.shape:
             raise ValueError(f"{name}_a {tuple(a.shape)} and {name}_b {tuple(b.shape)} must have the same shape")
+
+
+def check_combine(out_partial, lse_partial, out) -> None:
+    """FA3's combine layouts: out_partial (splits, batch, seqlen, nheads, headdim), lse_partial
+    (splits, batch, seqlen, nheads), and out (batch, seqlen, nheads, headdim) if given."""
+    for name, t, ndim in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if lse_partial.shape != out_partial.shape[:4]:
+        raise ValueError(f"lse_partial must be (num_splits, batch, seqlen, nheads) = {tuple(out_partial.shape[:4])} "
+                         f"for out_partial {tuple(out_partial.shape)}, got {tuple(lse_partial.shape)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.shape != out_partial.shape[1:]:
+            raise ValueError(f"out must have shape {tuple(out_partial.shape[1:])}, got {tuple(out.shape)}")
+

@@ -29,7 +29,7 @@ import torch
 
 from . import _validate, ops
 
-__all__ = ["merge_attention_states", "merge_split_attention_states"]
+__all__ = ["flash_attn_combine", "merge_attention_states", "merge_split_attention_states"]
 
 
 def merge_split_attention_states(outs: torch.Tensor, lses: torch.Tensor):
@@ -58,3 +58,27 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     """
     _validate.check_state_pair(out_a, lse_a, out_b, lse_b)
     return merge_split_attention_states(torch.stack((out_a, out_b)), torch.stack((lse_a, lse_b)))
+
+
+def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None):
+    """FlashAttention-3's combine: merge split-KV partial results, in FA3's layouts.
+
+    Arguments:
+        out_partial: (num_splits, batch, seqlen, nheads, headdim), the splits' normalised outputs.
+        lse_partial: (num_splits, batch, seqlen, nheads), their natural-log log-sum-exps (−inf, or
+            +inf as flash-attn 2 writes it, for a split that saw no key).
+        out: optional (batch, seqlen, nheads, headdim) tensor to write the result into.
+        out_dtype: the result's dtype when ``out`` is not given; default out_partial's.
+
+    Returns:
+        (out (batch, seqlen, nheads, headdim), lse (batch, seqlen, nheads) float32); rows whose
+        splits are all empty give 0 and −inf.
+    """
+    _validate.check_combine(out_partial, lse_partial, out)
+    merged, lse = merge_split_attention_states(out_partial, lse_partial.transpose(-1, -2))
+    if out is None:
+        out = merged if out_dtype is None else merged.to(out_dtype)
+    else:
+        out.copy_(merged)
+    return out, lse.transpose(-1, -2)
