@@ -157,6 +157,28 @@ def test_varlen_dropout_is_reproducible_from_torch_manual_seed(backend):
     assert not torch.equal(first[0], run(6)[0])
 
 
+def test_varlen_dropout_returns_s_dmask(backend):
+    # flash-attn 2's varlen S_dmask: (batch, nheads, max_seqlen_q, max_seqlen_k), each sequence's
+    # probabilities in its corner, dropped entries negated, 0 elsewhere; it reproduces the output
+    seqlens_q, seqlens_k = [9, 0, 30], [17, 4, 30]
+    (q, k, v), _, cu_q, cu_k = packed_inputs(seqlens_q, seqlens_k, 2, 1, 16, torch.float32, seed=45)
+    dropout_p = 0.25
+    out, _, probs = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, dropout_p=dropout_p, causal=True,
+                                                     return_attn_probs=True)
+    assert probs.shape == (3, 2, 30, 30) and probs.dtype == q.dtype
+    for b, (seqlen_q, seqlen_k) in enumerate(zip(seqlens_q, seqlens_k)):
+        corner = probs[b, :, :seqlen_q, :seqlen_k]
+        outside = probs[b].clone()
+        outside[:, :seqlen_q, :seqlen_k] = 0
+        assert (outside == 0).all()
+        if seqlen_q == 0:
+            continue
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        kept = torch.where(torch.signbit(corner), 0.0, corner) / (1 - dropout_p)  # [H, Nq, Nk]
+        expected = kept @ v[rows_k].detach().transpose(0, 1).expand(2, seqlen_k, 16)  # MQA: one KV head
+        torch.testing.assert_close(out[rows_q].detach(), expected.transpose(0, 1), rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Packed conveniences: the same results as the unpacked call, the gradient packed like the input
 

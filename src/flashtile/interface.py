@@ -68,9 +68,9 @@ _OPTIONS_DOC = """dropout_p: float in [0, 1): dropout on the attention probabili
             −slope · |i + Nk − Nq − j| to the scores.
         deterministic: bool, accepted for compatibility: the backward never uses atomics and is
             always bitwise deterministic.
-        return_attn_probs: bool; also return the log-sum-exp and, with dropout_p > 0 (not
-            packed), the probabilities with dropped entries negated (flash-attn's S_dmask, for
-            testing; O(N²) memory), else None."""
+        return_attn_probs: bool; also return the log-sum-exp and, with dropout_p > 0, the
+            probabilities with dropped entries negated (flash-attn's S_dmask, for testing; O(N²)
+            memory), else None."""
 
 
 def _with_options_doc(function):
@@ -97,9 +97,13 @@ def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softca
     if not return_attn_probs:
         return out
     probs = None
-    if options.dropout_p > 0 and not varlen:
+    if options.dropout_p > 0:
         v = unpack(layout, a, b, c)[2]
-        probs = _dropout_probs(q, k, v, options, alibi_slopes, attn_bias, dropout_seed)
+        if varlen:
+            probs = _varlen_dropout_probs(q, k, v, options, alibi_slopes, dropout_seed, cu_seqlens_q,
+                                          cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)
+        else:
+            probs = _dropout_probs(q, k, v, options, alibi_slopes, attn_bias, dropout_seed)
     return out, lse, probs
 
 
@@ -119,6 +123,33 @@ def _dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, attn_bias, 
 
 
 @_with_options_doc
+def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, dropout_seed, cu_seqlens_q,
+                          cu_seqlens_k):
+    """S_dmask of a packed batch, as flash-attn 2's varlen functions return it: (batch, nheads,
+    max_seqlen_q, max_seqlen_k), each sequence's probabilities (dropped entries negated) in its top
+    left corner and 0 elsewhere. The dropout counter of sequence b is that of batch entry b, at
+    positions within the sequence, as the kernels draw it. Reads cu_seqlens (a sync on a GPU):
+    this output is for testing, and O(N²) in memory anyway."""
+    nheads = q.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    seed = int(dropout_seed.item())
+    probs = q.new_zeros((batch, nheads, options.max_seqlen_q, options.max_seqlen_k))
+    with torch.no_grad():
+        for b, rows_q, rows_k in reference.sequence_slices(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+            seqlen_q, seqlen_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+            if seqlen_q == 0 or seqlen_k == 0:
+                continue
+            qt, kt, vt = (t[rows].transpose(0, 1)[None].float() for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
+            slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+            _, _, p = reference.attention_forward(qt, kt, vt, options.softmax_scale, window_size=options.window,
+                                                  softcap=options.softcap, alibi_slopes=slopes)
+            seq_head = (b * nheads + torch.arange(nheads, device=q.device)).view(1, nheads, 1, 1)
+            keep = reference.dropout.keep_mask_block(seed, seq_head, torch.arange(seqlen_q, device=q.device),
+                                                     torch.arange(seqlen_k, device=q.device), options.dropout_p)
+            probs[b, :, :seqlen_q, :seqlen_k] = torch.where(keep, p, -p)[0].to(q.dtype)
+    return probs
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,8 +258,10 @@ def flash_attn_varlen_func(
         {options}
 
     Returns:
-        out (total_q, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, None)``
-        with softmax_lse (nheads, total_q), float32, natural log.
+        out (total_q, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, S_dmask)``
+        with softmax_lse (nheads, total_q), float32, natural log, and with dropout_p > 0 S_dmask
+        (batch, nheads, max_seqlen_q, max_seqlen_k): each sequence's probabilities, dropped entries
+        negated, 0 outside the sequence (for testing; O(N²) memory), else None.
     """
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0],
@@ -252,7 +285,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         {options}
 
     Returns:
-        out (total, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, None)``
+        out (total, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, S_dmask)``
         as :func:`flash_attn_varlen_func`.
     """
     _validate.check_packed("qkv", qkv, 4, 3)
@@ -279,7 +312,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         {options}
 
     Returns:
-        out (total_q, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, None)``
+        out (total_q, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, S_dmask)``
         as :func:`flash_attn_varlen_func`.
     """
     _validate.check_packed("kv", kv, 4, 2)
