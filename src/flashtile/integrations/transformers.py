@@ -171,7 +171,7 @@ def _masked_on_the_cpu(q, padding_mask, options) -> bool:
     padded positions give each real token the same keys as the packed sequence does."""
     if backend(q.device) != "cpu" or options["window_size"] != (-1, -1) or options["softcap"] or options["dropout_p"]:
         return False
-    if not options["causal"]:
+    if not options["causal"] or q.shape[1] == 1:  # a decoding step's one query sees every real key
         return True
     keep = padding_mask.bool()
     positions = torch.arange(keep.shape[1], device=keep.device)
@@ -183,7 +183,7 @@ def _masked(q, k, v, padding_mask, options):
     the padded positions): ``flashtile.attention``, whose "cpu" path is PyTorch's fused kernel."""
     keep = padding_mask.bool()[:, None, None, :]  # [batch, 1, 1, seqlen_k]
     k, v = k[:, :keep.shape[-1]], v[:, :keep.shape[-1]]  # a static KV cache has unused slots past the mask
-    if options["causal"]:
+    if options["causal"] and q.shape[1] > 1:
         keep = keep & reference.visible_mask(q.shape[1], keep.shape[-1], causal=True, device=q.device)
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
                     scale=options["softmax_scale"], enable_gqa=True)
