@@ -122,7 +122,6 @@ def _dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, attn_bias, 
         return torch.where(keep, p, -p).to(q.dtype)
 
 
-@_with_options_doc
 def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, dropout_seed, cu_seqlens_q,
                           cu_seqlens_k):
     """S_dmask of a packed batch, as flash-attn 2's varlen functions return it: (batch, nheads,
@@ -150,6 +149,7 @@ def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, drop
     return probs
 
 
+@_with_options_doc
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
