@@ -53,7 +53,10 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, t
     variants = (tensors.alibi_slopes, tensors.dropout_seed)
     if any(t is not None for t in variants) or options.softcap != 0 or options.dropout_p != 0:
         return False
-    if tensors.attn_bias is not None and (bias_grad or tensors.is_varlen):
+    if tensors.attn_bias is not None and (bias_grad or tensors.is_varlen
+                                          or _pytorch_causal(options, q.shape[1], k.shape[1]) is not False):
+        # with a causal mask on top, a row that the bias leaves without a visible key would not be
+        # told apart from one the bias empties (see fused_attention_forward's log-sum-exp)
         return False
     if tensors.is_varlen:
         return options.window in ((-1, -1), (-1, 0))
