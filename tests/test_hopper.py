@@ -1,5 +1,5 @@
-"""The Gluon forward for sm_90 (flashtile.gluon.sm90_fwd) against the float64 reference, and the rule that
-decides when the launcher takes it.
+"""The Gluon kernels for sm_90 (flashtile.gluon.sm90_fwd, sm90_bwd) against the float64 reference, and the
+rules that decide when the launcher takes them.
 
 Gluon has no interpreter: the accuracy tests run on an sm_90 GPU only (the H200 here) and are
 skipped elsewhere; the dispatch rule is tested everywhere.
@@ -12,7 +12,7 @@ from helpers import DEVICE, check_flash_attn_func, make_inputs
 import flashtile
 from flashtile._options import AttentionOptions, AttentionTensors
 from flashtile import gluon
-from flashtile.gluon import sm90_fwd
+from flashtile.gluon import sm90_bwd, sm90_fwd
 from flashtile.triton import configs, launch
 
 on_sm90 = pytest.mark.skipif(
@@ -37,15 +37,97 @@ def gluon_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def gluon_backward_calls(monkeypatch):
+    """Count the calls of the fused Gluon backward (it has no seqlen threshold)."""
+    calls = []
+    backward = sm90_bwd.flash_attn_backward_sm90
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(sm90_bwd, "flash_attn_backward_sm90", counted)
+    return calls
+
+
+SEQLENS = [(1, 1), (1, 300), (17, 113), (113, 17), (203, 203), (300, 1000)]
+
+
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", [(1, 1), (1, 300), (17, 113), (113, 17), (203, 203), (300, 1000)],
+@pytest.mark.parametrize("seqlens", SEQLENS,
                          ids=lambda s: f"q{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
     check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11), causal=causal)
     assert gluon_calls
+
+
+@on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS + [(64, 64), (128, 1000), (1000, 128)], ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_backward(gluon_backward_calls, dtype, head_dim, seqlens, causal):
+    # seqlens at and across the 64-row and 128-key block edges, and Nq ≠ Nk both ways
+    check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=21), causal=causal)
+    assert gluon_backward_calls
+
+
+@on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (8, 1)], ids=["gqa-6:2", "mqa-4:1", "mqa-8:1"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_backward_gqa(gluon_backward_calls, head_dim, heads, causal):
+    # dK/dV summed over the group inside one CTA
+    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, head_dim, torch.bfloat16, seed=22), causal=causal)
+    assert gluon_backward_calls
+
+
+@on_sm90
+def test_gluon_backward_fully_masked_rows(gluon_backward_calls):
+    # causal with seqlen_q > seqlen_k: the first 170 rows see no key (LSE −inf), so their dQ is 0
+    q, k, v, do = make_inputs(1, 200, 30, 2, 2, 128, torch.bfloat16, seed=23)
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    dq, _, _ = torch.autograd.grad(out, (q, k, v), do)
+    assert gluon_backward_calls
+    assert (dq[:, :170] == 0).all()
+    check_flash_attn_func(q, k, v, do, causal=True)
+
+
+@on_sm90
+def test_gluon_backward_strided_inputs(gluon_backward_calls):
+    # q, k, v as views into one (batch, seqlen, 3, nheads, headdim) tensor, and their gradient too
+    g = torch.Generator().manual_seed(24)
+    qkv = torch.randn(2, 150, 3, 4, 64, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    do = torch.randn(2, 150, 4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    out = flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
+    (dqkv, ) = torch.autograd.grad(out, (qkv, ), do)
+    assert gluon_backward_calls
+    q, k, v = (t.detach().requires_grad_() for t in qkv.detach().unbind(2))
+    reference = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), do)
+    for got, expected in zip(dqkv.unbind(2), reference):
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)  # two summation orders of the same bf16 terms
+
+
+@on_sm90
+def test_deterministic_takes_the_backward_without_atomics(gluon_backward_calls):
+    q, k, v, do = make_inputs(2, 300, 300, 4, 2, 128, torch.bfloat16, seed=25)
+    runs = [torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), do)
+            for _ in range(3)]
+    assert not gluon_backward_calls
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not gluon_backward_calls
+    torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+    assert gluon_backward_calls
 
 
 @on_sm90
@@ -122,3 +204,30 @@ def test_gluon_only_with_the_triton_it_is_written_for(monkeypatch):
     monkeypatch.setattr(launch, "sm90_fwd", None)  # what the launcher holds under another series
     q = torch.randn(1, configs.GLUON_MIN_SEQLEN[64, True], 2, 128).to(torch.bfloat16)
     assert not launch.gluon_usable(AttentionOptions(0.1), AttentionTensors(), q, q, q)
+
+
+def test_gluon_backward_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(launch, "_is_sm90", lambda device: True)
+    full, causal = AttentionOptions(0.1), AttentionOptions(0.1, window_right=0)
+
+    def usable(head_dim=128, dtype=torch.bfloat16, options=full, tensors=AttentionTensors(), seqlens=(70, 70)):
+        q = torch.randn(1, seqlens[0], 2, head_dim).to(dtype)
+        k = torch.randn(1, seqlens[1], 2, head_dim).to(dtype)
+        return launch.gluon_backward_usable(options, tensors, q, k, k, q, q, q, k, k)
+
+    assert usable() and usable(dtype=torch.float16) and usable(head_dim=64) and usable(options=causal)
+    assert usable(seqlens=(1, 1)) and usable(seqlens=(300, 7))  # no seqlen threshold
+    assert not usable(options=AttentionOptions(0.1, deterministic=True))
+    assert not usable(head_dim=96) and not usable(head_dim=256) and not usable(dtype=torch.float32)
+    for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
+                    AttentionOptions(0.1, dropout_p=0.1)):
+        assert not usable(options=options), options
+    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1))):
+        assert not usable(tensors=tensors), tensors
+    q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
+    every_other = torch.empty(1, 8, 2, 256, dtype=torch.bfloat16)[..., ::2]
+    assert not launch.gluon_backward_usable(full, AttentionTensors(), q, q, q, q, q, q, every_other, q)  # dk's head dim
+    monkeypatch.setattr(launch, "sm90_bwd", None)  # what the launcher holds under another Triton series
+    assert not usable()
+    monkeypatch.undo()
+    assert not usable()  # not an sm_90 GPU

@@ -42,6 +42,7 @@ class AttentionOptions(NamedTuple):
     dropout_p: float = 0.0
     max_seqlen_q: int = 0  # packed batches: the longest sequence, which sizes the grid
     max_seqlen_k: int = 0
+    deterministic: bool = False  # the backward may not sum with atomics (bitwise-identical gradients)
 
     @property
     def window(self) -> tuple[int, int]:

@@ -183,15 +183,22 @@ def check_dropout(dropout_p) -> float:
     return dropout_p
 
 
+def deterministic(asked) -> bool:
+    """Whether the backward must be bitwise deterministic: when asked (flash-attn's ``deterministic``)
+    or when PyTorch is told to use deterministic algorithms (``torch.use_deterministic_algorithms``,
+    which SDPA's users rely on)."""
+    return bool(asked) or torch.are_deterministic_algorithms_enabled()
+
+
 def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout_p=0.0,
-                      max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> AttentionOptions:
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic_asked=False) -> AttentionOptions:
     """The validated options of one call, with the defaults applied."""
     softcap, dropout_p = check_softcap(softcap), check_dropout(dropout_p)
     left, right = window(window_size, causal)
     if softmax_scale is not None:
         softmax_scale = finite_number("softmax_scale", softmax_scale)
     return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
-                            max_seqlen_q, max_seqlen_k)
+                            max_seqlen_q, max_seqlen_k, deterministic(deterministic_asked))
 
 
 def attn_mask_to_bias(attn_mask, q, k):

@@ -195,7 +195,7 @@ def _ring_forward(q, k, v, softmax_scale, causal, layout, ring: _Ring):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, layout, ring: _Ring):
+def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, layout, ring: _Ring):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     kv = torch.stack((k, v))  # [2, B, Nk, Hk, D]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -207,7 +207,7 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, layout, ring:
             rows, cols, block_causal = plan
             block_dq, block_dk, block_dv = attention_backward(
                 dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
-                out[:, rows], lse[:, :, rows], softmax_scale, block_causal,
+                out[:, rows], lse[:, :, rows], softmax_scale, block_causal, deterministic=deterministic,
             )
             dq[:, rows] += block_dq
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if step == 0 else dkv_pass.wait()
@@ -226,12 +226,13 @@ class RingFlashAttnFunction(torch.autograd.Function):
     """Ring attention; saves only the local q, k, v, out and log-sum-exp for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, layout: str, group):
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, layout: str, group):
         ring = _Ring(group)
         out, lse = _ring_forward(q, k, v, softmax_scale, causal, layout, ring)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
+        ctx.deterministic = deterministic
         ctx.layout = layout
         ctx.ring = ring
         ctx.mark_non_differentiable(lse)
@@ -240,8 +241,9 @@ class RingFlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.layout, ctx.ring)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+                                    ctx.layout, ctx.ring)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_flash_attn_func(
@@ -274,8 +276,9 @@ def ring_flash_attn_func(
         window_size: only (-1, -1); a sliding window raises NotImplementedError. (Each
             block would need the window shifted by the global offset between its query
             and key chunks, and blocks entirely outside the window skipped.)
-        deterministic: accepted for compatibility; the result is bitwise deterministic
-            (fixed merge order, no atomics) whatever this says.
+        deterministic: bitwise identical gradients run to run, as in ``flash_attn_func``
+            (the ring itself always merges in a fixed order; this keeps each block's backward
+            off the fused sm_90 kernel, which sums dQ with atomic adds).
         return_attn_probs: also return this rank's log-sum-exp (and None in place of the
             probabilities, which are never formed).
         layout: how the sequence was sharded (``shard_sequence``): ``"zigzag"`` (rank r
@@ -317,5 +320,6 @@ def ring_flash_attn_func(
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs torch.distributed to be initialized (init_process_group)")
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    out, lse = RingFlashAttnFunction.apply(q, k, v, scale, bool(causal), layout, group)
+    out, lse = RingFlashAttnFunction.apply(q, k, v, scale, bool(causal), _validate.deterministic(deterministic), layout,
+                                           group)
     return (out, lse, None) if return_attn_probs else out

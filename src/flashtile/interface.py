@@ -31,8 +31,10 @@ forms) and an SDPA-compatible ``attention``. Arguments shared by all of them:
 * ``dropout_p``: dropout on the attention probabilities, with a Philox
   counter-based generator seeded from PyTorch's generator on the inputs' device
   (so ``torch.manual_seed`` reproduces a call); the backward regenerates the mask.
-* ``deterministic``: accepted for compatibility; the backward never uses atomics,
-  so it is bitwise deterministic whatever this says.
+* ``deterministic``: on an sm_90 GPU the fused backward sums dQ with atomic adds, so
+  its last bits vary run to run (flash-attn's default too); ``deterministic=True``,
+  or ``torch.use_deterministic_algorithms(True)``, takes the backward without atomics,
+  bitwise identical run to run. Every other path is deterministic anyway.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ _OPTIONS_DOC = """dropout_p: float in [0, 1): dropout on the attention probabili
         softcap: float ≥ 0; if > 0, scores become softcap · tanh(scores / softcap) (Gemma 2).
         alibi_slopes: None, or float32 (nheads,) or (batch, nheads): adds
             −slope · |i + Nk − Nq − j| to the scores.
-        deterministic: bool, accepted for compatibility: the backward never uses atomics and is
-            always bitwise deterministic.
+        deterministic: bool; True (or ``torch.use_deterministic_algorithms(True)``) makes the
+            backward bitwise identical run to run. Only the fused sm_90 backward needs it (it
+            sums dQ with atomic adds); it then takes the two-kernel backward, which is slower.
         return_attn_probs: bool; also return the log-sum-exp and, with dropout_p > 0, the
             probabilities with dropped entries negated (flash-attn's S_dmask, for testing; O(N²)
             memory), else None."""
@@ -79,13 +82,13 @@ def _with_options_doc(function):
 
 
 def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-            attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-            return_attn_probs=False):
+            deterministic=False, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+            max_seqlen_k=0, return_attn_probs=False):
     """Shared tail of every public function; q and k are views for shapes (heads on dim −2)."""
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap, dropout_p,
-                                          max_seqlen_q, max_seqlen_k)
+                                          max_seqlen_q, max_seqlen_k, deterministic_asked=deterministic)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
     dropout_seed = None
     if options.dropout_p > 0:
@@ -179,7 +182,7 @@ def flash_attn_func(
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(SEPARATE, q, k, v, q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -201,7 +204,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -223,7 +226,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(KV_PACKED, q, kv, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -269,7 +272,7 @@ def flash_attn_varlen_func(
     return _attend(SEPARATE, q, k, v, q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -295,7 +298,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                   max_seqlen_k=max_seqlen, return_attn_probs=return_attn_probs)
+                   max_seqlen_k=max_seqlen, deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -323,7 +326,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _attend(KV_PACKED, q, kv, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                   max_seqlen_k=max_seqlen_k, return_attn_probs=return_attn_probs)
+                   max_seqlen_k=max_seqlen_k, deterministic=deterministic,
+                   return_attn_probs=return_attn_probs)
 
 
 def attention(

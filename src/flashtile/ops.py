@@ -75,7 +75,7 @@ def uses_triton(t: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------
 # The registered operators
 
-_SCHEMA_TYPES = {"torch.Tensor | None": "Tensor?", "float": "float", "int": "SymInt"}
+_SCHEMA_TYPES = {"torch.Tensor | None": "Tensor?", "float": "float", "int": "SymInt", "bool": "bool"}
 
 
 def _schema_arguments(fields: type) -> str:
@@ -229,14 +229,17 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_siz
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, deterministic=False):
     """→ (dq, dk, dv), with P rebuilt from ``lse`` and D = rowsum(dout ∘ out).
 
     ``out`` and ``lse`` may be those of a larger attention that this call is a part of
-    (ring attention): the gradients are then this part's share.
+    (ring attention): the gradients are then this part's share. ``deterministic``: bitwise
+    identical gradients run to run (the fused sm_90 backward, which sums dQ with atomic
+    adds, is then not used).
     """
     _refuse_autograd(dout, q, k, v, out, lse, alibi_slopes)
-    options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
+    options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p,
+                               deterministic=bool(deterministic))
     tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)

@@ -261,7 +261,7 @@ def _box_layout(box: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayou
     return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, head_dim] boxes."""
     box = (1, rows, 1, t.shape[-1])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype))
@@ -279,8 +279,8 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     num_consumers = CONSUMERS[head_dim]
     grid = (-(-seqlen_q // (num_consumers * ROWS)), nheads_q, batch)  # ceil division on Python ints
     _attn_fwd_sm90_kernel[grid](
-        q_desc=_descriptor(q, ROWS), k_desc=_descriptor(k, BLOCK_N), v_desc=_descriptor(v, BLOCK_N),
-        o_desc=_descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
+        o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         NUM_STAGES=NUM_STAGES, num_warps=4,

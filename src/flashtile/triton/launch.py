@@ -8,7 +8,9 @@ This is where the code paths are chosen:
   ``configs.GLUON_MIN_SEQLEN`` on, else ``attention.attn_fwd_kernel``, which moves its tiles
   with the tensor copy engine (TMA descriptors) from ``configs.TMA_MIN_SEQLEN`` on where the
   strides allow, else with masked pointer loads;
-* the backward is three launches: D = rowsum(dO ∘ O), then the dK/dV kernel, then the dQ kernel;
+* the backward runs ``flashtile.gluon.sm90_bwd`` (one fused kernel, dQ summed with atomic adds) on
+  an sm_90 GPU for the same plain calls unless ``deterministic`` is asked for; else it is three
+  launches: D = rowsum(dO ∘ O), then the dK/dV kernel, then the dQ kernel, with no atomics;
 * the KV-cache forward plans its split count (:func:`split_plan`) and merges the splits with
   ``merge.merge_states_kernel``.
 
@@ -37,9 +39,9 @@ from .merge import merge_states_kernel
 
 _interpreter.apply_fixes()
 if gluon.written_for():
-    from ..gluon import sm90_fwd
+    from ..gluon import sm90_bwd, sm90_fwd
 else:  # another Triton's Gluon may not even import these kernels: the Triton kernels run everything
-    sm90_fwd = None
+    sm90_bwd = sm90_fwd = None
 
 __all__ = ["attention_forward", "attention_backward", "kvcache_append", "kvcache_attention_forward",
            "merge_states_into", "num_splits_heuristic", "split_plan"]
@@ -136,6 +138,12 @@ def _is_sm90(device: torch.device) -> bool:
     return (properties.major, properties.minor) == (9, 0)
 
 
+def _plain(options: AttentionOptions, tensors: AttentionTensors) -> bool:
+    """Full or causal attention without a bias, ALiBi, softcap, window, dropout or packed batches."""
+    return (options.window in ((-1, -1), (-1, 0)) and options.softcap == 0 and options.dropout_p == 0
+            and tensors.alibi_slopes is None and tensors.attn_bias is None and not tensors.is_varlen)
+
+
 def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
@@ -143,12 +151,27 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
     with a positive softmax scale (it masks raw scores before scaling them), from
     ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
-    plain = (options.window in ((-1, -1), (-1, 0)) and options.softcap == 0 and options.dropout_p == 0
-             and tensors.alibi_slopes is None and tensors.attn_bias is None and not tensors.is_varlen)
-    return (plain and sm90_fwd is not None and options.softmax_scale > 0
+    return (_plain(options, tensors) and sm90_fwd is not None and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
             and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v))
+
+
+def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, q, k, v, out, dout,
+                          dq, dk, dv) -> bool:
+    """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
+    plain full or causal attention in 16 bits at head dims 64 and 128 on an sm_90 GPU with the
+    Triton series it is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
+    Q, K, V and dO must suit the copy engine, the others need a contiguous head dim, and the
+    padded float32 dQ accumulator must stay within 32-bit offsets."""
+    if not _plain(options, tensors) or sm90_bwd is None or options.deterministic:
+        return False
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    padded_q = cdiv(seqlen_q, sm90_bwd.BLOCK_M) * sm90_bwd.BLOCK_M
+    return (q.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
+            and q.numel() > 0 and k.numel() > 0 and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
+            and _is_sm90(q.device) and _descriptor_compatible(q, k, v, dout)
+            and all(t.stride(-1) == 1 for t in (out, dq, dk, dv)))
 
 
 def _descriptor(t: torch.Tensor, rows: int, padded_head_dim: int) -> TensorDescriptor:
@@ -244,8 +267,14 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors,
                        dq, dk, dv, bias_grad: bool = False):
     """Writes the gradients of :func:`attention_forward` into ``dq``/``dk``/``dv`` (possibly strided
-    buffers, such as the slices of a packed gradient); deterministic (no atomics). Returns the bias
-    gradient reduced to the bias's shape when ``bias_grad``, else None."""
+    buffers, such as the slices of a packed gradient). Returns the bias gradient reduced to the
+    bias's shape when ``bias_grad``, else None. Bitwise deterministic except on the fused sm_90
+    path, which ``options.deterministic`` turns off."""
+    if gluon_backward_usable(options, tensors, q, k, v, out, dout, dq, dk, dv):
+        with launch_device(q):
+            sm90_bwd.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, options.softmax_scale,
+                                              causal=options.causal)
+        return None
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it

@@ -90,9 +90,9 @@ class Provider:
         return "; ".join(reasons) or None
 
 
-def _flashtile(shape, q, k, v):
-    return (lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=shape.scale, causal=shape.causal)), \
-        contextlib.nullcontext()
+def _flashtile(shape, q, k, v, deterministic=False):
+    return (lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=shape.scale, causal=shape.causal,
+                                            deterministic=deterministic)), contextlib.nullcontext()
 
 
 def _sdpa(backend_name: str):
@@ -180,6 +180,7 @@ def _import_error(module: str, attribute: str) -> str | None:
 
 PROVIDERS = {p.name: p for p in [
     Provider("flashtile", "flashtile", "bshd", _flashtile),
+    Provider("flashtile_det", "flashtile deterministic=True", "bshd", functools.partial(_flashtile, deterministic=True)),
     Provider("sdpa_flash", "SDPA flash (FA2)", "bhsd", _sdpa("FLASH_ATTENTION")),
     Provider("sdpa_cudnn", "SDPA cuDNN", "bhsd", _sdpa("CUDNN_ATTENTION"), cuda_only=True),
     Provider("sdpa_efficient", "SDPA mem-efficient", "bhsd", _sdpa("EFFICIENT_ATTENTION"), cuda_only=True),
