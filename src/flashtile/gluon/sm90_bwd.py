@@ -3,23 +3,27 @@
 The portable backward (``flashtile.triton.attention``) runs two kernels, dK/dV then dQ, and each
 recomputes S = QKᵀ and dP = dO Vᵀ: 7 matmuls where 5 are needed (benchmarks/NOTES.md, "The
 profile"). Here one CTA owns a block of ``BLOCK_N`` = 128 keys of one KV head and walks every query
-block of every query head of its group:
+block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-specialised partitions:
 
-* a **producer warp** moves K and V once, then Q_i and dO_i into a ring of ``NUM_STAGES`` buffers
-  with the tensor copy engine (TMA), each guarded by "ready" mbarriers and one "empty" mbarrier;
+* a **producer warp** moves K and V once, then Qᵢ with LSEᵢ and dOᵢ with Dᵢ into a ring of
+  ``NUM_STAGES`` buffers with the tensor copy engine (TMA), guarded by "ready" and "empty" mbarriers;
 * **two consumer warpgroups** own 64 keys each and keep their dK and dV accumulators in registers
-  for the whole walk. Per query block of ``BLOCK_M`` rows, transposed so that the keys are wgmma's
-  M dimension:
+  for the whole walk. Per query block, transposed so that the keys are wgmma's M dimension:
 
   - ``Sᵀ = K Qᵢᵀ`` and ``dPᵀ = V dOᵢᵀ`` are issued together; ``Pᵀ = exp2(Sᵀ·scale·log2 e − LSE·log2 e)``
     is computed while dPᵀ still runs;
   - ``dV += Pᵀ dOᵢ`` (Pᵀ from registers), ``dSᵀ = Pᵀ ∘ (dPᵀ − Dᵢ) · scale``, ``dK += dSᵀ Qᵢ``;
-  - dQᵢ needs all 128 keys, so each warpgroup stores its dSᵀ rows to shared memory (two buffers,
-    alternating), both meet at an mbarrier, and each computes half of ``dQᵢ = dS K`` (half the
-    columns at head dim 128, half the rows at 64, where BLOCK_M = 128) and adds it to a float32
-    accumulator in global memory with atomic adds. The launcher converts that to dQ's dtype.
+  - dQᵢ = dS K needs all 128 keys: each warpgroup stores its dSᵀ rows to shared memory (two
+    buffers, alternating), and the warpgroups take turns at computing dQᵢ, so that only the one
+    whose turn it is waits for the other's rows;
 
-  The softmax scale is folded into dS, so dK and dQ need no scaling afterwards.
+* **two writer warps** take each dQᵢ from shared memory and add it, half the rows each, to a
+  float32 accumulator in global memory with vector atomic adds (Triton 3.6's Gluon has no TMA
+  reduce), off the consumers' critical path. The launcher converts the accumulator to dQ's dtype.
+
+The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
+writes D = rowsum(dO ∘ O) with the tensor cores (see its docstring), LSE·log2 e and the zeroed dQ
+accumulator, all padded to whole query blocks so that the main kernel needs no row masks.
 
 The atomic adds make dQ's summation order, and so its last bits, vary run to run: this kernel is
 the default, and ``deterministic=True`` takes the two-kernel Triton backward, which has no atomics
@@ -32,8 +36,9 @@ log-sum-exp in natural log. A query row that saw no key (LSE −inf) and rows pa
 
 Limits (``flashtile.triton.launch.attention_backward`` sends everything else to the Triton kernels):
 sm_90 only; bf16/fp16; head dims 64 and 128; full or causal attention without bias, ALiBi,
-softcap, window, dropout or packed batches; Q, K, V and dO whose strides the copy engine accepts.
-Gluon has no interpreter, so this file is tested on the GPU only (tests/test_hopper.py).
+softcap, window, dropout or packed batches; Q, K, V, O and dO whose strides the copy engine accepts.
+Gluon has no interpreter, so this file runs on the GPU only (tests/test_hopper.py); its compiled
+form is checked on any machine by tests/test_gluon_compile.py.
 """
 
 import torch
@@ -105,10 +110,38 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
-def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, q_ready, do_ready,
-              empty, ds_ready, DK, DV, DQAccum, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-              stride_ab, stride_ah, i_b, i_hk, start_n, first_m, m_blocks,
-              n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling):
+def _dq_writer(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks,
+               n_steps, group_size, tiling):
+    """One of two warps that add each step's dQᵢ from shared memory to the float32 accumulator in
+    global memory, half the rows each, 4 floats a lane and whole rows per atomic instruction, off
+    the consumers' critical path."""
+    BLOCK_M: gl.constexpr = tiling.BLOCK_M
+    HEAD_DIM: gl.constexpr = tiling.HEAD_DIM
+    ROWS: gl.constexpr = BLOCK_M // 2
+    CHUNK: gl.constexpr = 512 // HEAD_DIM  # rows per load: 16 floats a lane, within the 32 registers it has
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // HEAD_DIM, HEAD_DIM // 4],
+                                            warps_per_cta=[1, 1], order=[1, 0])
+    # [CHUNK, HEAD_DIM] offsets into the accumulator, [B, Hq, padded Nq, HEAD_DIM]: compile-time constants
+    chunk = (gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)), 1) * HEAD_DIM
+             + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0))
+    rows = dq_smem.slice(which * ROWS, ROWS, dim=0)  # [ROWS, HEAD_DIM]
+    for t in range(n_steps):
+        i_hq = i_hk * group_size + t // m_blocks
+        start_m = (first_m + t % m_blocks) * BLOCK_M + which * ROWS
+        base = DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * HEAD_DIM
+        mbarrier.wait(dq_full, t & 1)
+        for c in gl.static_range(ROWS // CHUNK):
+            # the accumulator's rows are padded to whole blocks: no mask
+            values = rows.slice(c * CHUNK, CHUNK, dim=0).load(layout)
+            gl.atomic_add(base + c * CHUNK * HEAD_DIM + chunk, values, sem="relaxed")
+        mbarrier.arrive(dq_empty)
+
+
+@gluon.jit
+def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
+              do_ready, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+              i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale,
+              sm_scale, tiling):
     """One warpgroup: keys [start_n + which·KEYS, +KEYS) against every query block of the group."""
     CAUSAL: gl.constexpr = tiling.CAUSAL
     BLOCK_M: gl.constexpr = tiling.BLOCK_M
@@ -116,16 +149,12 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     KEYS: gl.constexpr = tiling.KEYS
     HEAD_DIM: gl.constexpr = tiling.HEAD_DIM
     NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
-    # dQᵢ [BLOCK_M, HEAD_DIM] is shared out by columns (64 each) at head dim 128; at 64 the warpgroups
-    # take turns, one computing the whole of it per step
-    DQ_BY_TURNS: gl.constexpr = HEAD_DIM == 64
-    DQ_COLS: gl.constexpr = HEAD_DIM if DQ_BY_TURNS else HEAD_DIM // 2
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])  # Sᵀ, dPᵀ
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])  # dK, dV
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+                                                        instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
 
@@ -134,19 +163,10 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
     k_mine = k_all.slice(which * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
     v_mine = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(which * KEYS, KEYS, dim=0)
-    if DQ_BY_TURNS:
-        dq_b = k_all  # [BLOCK_N, HEAD_DIM]
-        dq_offset = 0
-    else:
-        dq_b = k_all.slice(which * DQ_COLS, DQ_COLS, dim=1)  # [BLOCK_N, DQ_COLS]
-        dq_offset = which * DQ_COLS
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     st_unused = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)  # use_acc=False ignores it
-    dq_unused = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-    # [BLOCK_M, DQ_COLS] offsets into the accumulator, [B, Hq, padded Nq, HEAD_DIM]: compile-time constants
-    dq_tile = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)), 1) * HEAD_DIM
-               + gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout)), 0))
+    dq_unused = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     # the last key that a query block ending before the diagonal's band can see unmasked
     band_end = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
     mbarrier.wait(kv_ready, 0)
@@ -182,29 +202,33 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
         p_low = p.to(dtype)
         dv_token = warpgroup_mma(gl.convert_layout(p_low, a_layout), do_tile, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, st_layout))
-        dp = warpgroup_mma_wait(1, deps=(dp_token, ))  # dV may still run
+        dp, dv = warpgroup_mma_wait(0, deps=(dp_token, dv_token))  # dV too: with it in flight here ptxas serialized every wgmma for want of registers (head dim 128)
 
         # -- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; dK += dSᵀ Q
         ds_low = (p * (dp - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)  # [KEYS, BLOCK_M]
         dk_token = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
 
-        # -- dQ = dS K over both warpgroups' keys: publish this one's dSᵀ rows, wait for the other's
+        # -- dQ = dS K over both warpgroups' keys: each publishes its dSᵀ rows, and they take turns at
+        # computing dQᵢ (which alternates the buffer too), so that only the one whose turn it is waits
         ds_buffer = ds_smem.index(t % 2)  # [BLOCK_N, BLOCK_M]
         ds_buffer.slice(which * KEYS, KEYS, dim=0).store(ds_low)
         fence_async_shared()
         gl.thread_barrier()  # every thread's rows are stored before the one arrival
         mbarrier.arrive(ds_ready.index(t % 2))
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
-        ds_all = ds_buffer.permute((1, 0))  # [BLOCK_M, BLOCK_N]
-        if (not DQ_BY_TURNS) or t % 2 == which:
-            dq_token = warpgroup_mma(ds_all, dq_b, dq_unused, use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token))
+        # dK completes first: with dK's and dQ's accumulators in flight together ptxas serialized every
+        # wgmma for want of registers (head dim 128)
+        dk = warpgroup_mma_wait(0, deps=(dk_token, ))
+        if t % 2 == which:
+            mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+            dq_token = warpgroup_mma(ds_buffer.permute((1, 0)), k_all, dq_unused, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq_token, ))
             mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
-            # the accumulator's rows are padded to whole blocks: no mask, and only the base varies
-            dq_base = DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * HEAD_DIM + dq_offset
-            gl.atomic_add(dq_base + dq_tile, dq, sem="relaxed")
+            # -- hand dQᵢ to the writer warps, once they have taken the previous step's
+            mbarrier.wait(dq_empty, (t & 1) ^ 1)
+            dq_smem.store(dq)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_full)
         else:
-            dv, dk = warpgroup_mma_wait(0, deps=(dv_token, dk_token))
             mbarrier.arrive(empty.index(stage))
 
     # -- dK and dV rows of this warpgroup's keys, straight from registers
@@ -245,12 +269,20 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # each step's dQᵢ on its way to the writer warps; the swizzle spreads the wgmma layout's stores
+    # over the banks
+    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(dq_full, count=1)
+    mbarrier.init(dq_empty, count=2)  # both writer warps have read their rows
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -259,44 +291,66 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
         mbarrier.init(ds_ready.index(i), count=2)
 
     tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES)
-    consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, q_ready, do_ready, empty,
-                ds_ready, DK, DV, DQAccum, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                stride_ab, stride_ah, i_b, i_hk, start_n, first_m, m_blocks,
+    consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
+                empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                stride_dvh, i_b, i_hk, start_n, first_m, m_blocks,
                 n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
     producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, tiling)
-    # the kernel's own 4 warps are consumer 0; setmaxnreg gives the producer 24 registers a thread
-    gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer)],
-                       [4, 1], [240, 24])
+    writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks, n_steps,
+              group_size, tiling)
+    # the kernel's own 4 warps are consumer 0; setmaxnreg gives the producer and the writers 32 registers
+    # a thread (they share a warpgroup, which setmaxnreg sets as a whole)
+    gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
+                        (_dq_writer, (0, ) + writer), (_dq_writer, (1, ) + writer)], [4, 1, 1, 1], [240, 32, 32, 32])
 
 
 @gluon.jit
-def _bwd_preprocess_kernel(Out, DOut, Lse, Lse2, Delta, DQAccum,
-                           stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                           stride_lb, stride_lh, stride_pb, stride_ph, stride_ab, stride_ah, seqlen_q,
-                           ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _bwd_preprocess_kernel(o_desc, do_desc, Lse, Lse2, Delta, DQAccum, stride_lb, stride_lh, stride_pb, stride_ph,
+                           stride_ab, stride_ah, seqlen_q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Per block of ``ROWS`` query rows of one head: ``D = rowsum(dO ∘ O)``, ``LSE·log2 e`` (+inf for
     a row that saw no key and for the padding, so that P = 0 there) into buffers padded to whole
-    blocks, and zeros into the same rows of the dQ accumulator."""
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
+    blocks, and zeros into the same rows of the dQ accumulator.
+
+    D is the diagonal of O dOᵀ formed with the tensor cores, the arithmetic in which the main kernel
+    forms dPᵀ = V dOᵀ: where a row sees a single key, O is that key's V, D equals dP bit for bit,
+    and dS = P ∘ (dP − D) is exactly 0, as it is mathematically (a sum in another order left
+    ulp-sized gradients there)."""
     i_m = gl.program_id(0)
     i_h = gl.program_id(1)
     i_b = gl.program_id(2)
-    rows = i_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    in_q = rows < seqlen_q
-    tile = gl.expand_dims(in_q, 1)
-    o = gl.load(Out + i_b * stride_ob + i_h * stride_oh + gl.expand_dims(rows, 1) * stride_os + gl.expand_dims(cols, 0),
-                mask=tile, other=0.0).to(gl.float32)  # [ROWS, HEAD_DIM]
-    do = gl.load(DOut + i_b * stride_dob + i_h * stride_doh + gl.expand_dims(rows, 1) * stride_dos
-                 + gl.expand_dims(cols, 0), mask=tile, other=0.0).to(gl.float32)
-    lse = gl.load(Lse + i_b * stride_lb + i_h * stride_lh + rows, mask=in_q, other=float("-inf"))
-    padded = i_b * stride_pb + i_h * stride_ph + rows
-    gl.store(Delta + padded, gl.sum(o * do, axis=1))
+    dtype: gl.constexpr = o_desc.dtype
+    o_smem = gl.allocate_shared_memory(dtype, [1, ROWS, 1, HEAD_DIM], o_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1, ROWS, 1, HEAD_DIM], do_desc.layout)
+    loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(loaded, count=1)
+    mbarrier.expect(loaded, o_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    # the copy engine fills rows past seqlen_q with zeros: their D is 0
+    tma.async_copy_global_to_shared(o_desc, [i_b, i_m * ROWS, i_h, 0], loaded, o_smem)
+    tma.async_copy_global_to_shared(do_desc, [i_b, i_m * ROWS, i_h, 0], loaded, do_smem)
+
+    # LSE·log2 e while the tiles arrive
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
+    in_q = i_m * ROWS + rows < seqlen_q
+    lse = gl.load(Lse + i_b * stride_lb + i_h * stride_lh + i_m * ROWS + rows, mask=in_q, other=float("-inf"))
+    padded = i_b * stride_pb + i_h * stride_ph + i_m * ROWS + rows
     gl.store(Lse2 + padded, gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
-    gl.store(DQAccum + i_b * stride_ab + i_h * stride_ah + gl.expand_dims(rows, 1) * HEAD_DIM + gl.expand_dims(cols, 0),
-             gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=layout))
+    # zeros into the dQ accumulator's rows
+    zeros_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                                  order=[1, 0])
+    tile = (gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, zeros_layout)), 1) * HEAD_DIM
+            + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, zeros_layout)), 0))
+    gl.store(DQAccum + i_b * stride_ab + i_h * stride_ah + i_m * ROWS * HEAD_DIM + tile,
+             gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=zeros_layout))
+
+    mbarrier.wait(loaded, 0)
+    products = warpgroup_mma(o_smem.reshape([ROWS, HEAD_DIM]), do_smem.reshape([ROWS, HEAD_DIM]).permute((1, 0)),
+                             gl.zeros([ROWS, ROWS], gl.float32, layout=mma_layout), use_acc=False)  # O dOᵀ
+    cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma_layout))
+    delta = gl.sum(gl.where(gl.expand_dims(rows, 1) == gl.expand_dims(cols, 0), products, 0.0), axis=1)
+    gl.store(Delta + padded, delta)
+    mbarrier.invalidate(loaded)
 
 
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
@@ -318,10 +372,8 @@ def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale:
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty((batch, nheads_q, padded_q, head_dim), dtype=torch.float32, device=q.device)
     _bwd_preprocess_kernel[(padded_q // BLOCK_M, nheads_q, batch)](
-        Out=out, DOut=dout, Lse=lse, Lse2=lse2, Delta=delta, DQAccum=dq_accum,
-        stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
-        stride_dob=dout.stride(0), stride_dos=dout.stride(1), stride_doh=dout.stride(2),
-        stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0), stride_ph=lse2.stride(1),
+        o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
+        DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0), stride_ph=lse2.stride(1),
         stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
         ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
     )

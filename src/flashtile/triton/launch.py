@@ -162,7 +162,7 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
     plain full or causal attention in 16 bits at head dims 64 and 128 on an sm_90 GPU with the
     Triton series it is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
-    Q, K, V and dO must suit the copy engine, the others need a contiguous head dim, and the
+    Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and the
     padded float32 dQ accumulator must stay within 32-bit offsets."""
     if not _plain(options, tensors) or sm90_bwd is None or options.deterministic:
         return False
@@ -170,8 +170,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     padded_q = cdiv(seqlen_q, sm90_bwd.BLOCK_M) * sm90_bwd.BLOCK_M
     return (q.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
             and q.numel() > 0 and k.numel() > 0 and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
-            and _is_sm90(q.device) and _descriptor_compatible(q, k, v, dout)
-            and all(t.stride(-1) == 1 for t in (out, dq, dk, dv)))
+            and _is_sm90(q.device) and _descriptor_compatible(q, k, v, out, dout)
+            and all(t.stride(-1) == 1 for t in (dq, dk, dv)))
 
 
 def _descriptor(t: torch.Tensor, rows: int, padded_head_dim: int) -> TensorDescriptor:

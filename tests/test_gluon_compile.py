@@ -1,0 +1,125 @@
+"""The Gluon kernels for sm_90 compiled on any machine, GPU or not, and their machine code checked.
+
+Gluon has no interpreter, so tests/test_hopper.py runs them on an sm_90 GPU only. But Triton's
+wheel carries ptxas, and compiling for sm_90a needs no GPU: here each kernel is compiled as the
+launcher would compile it (a stand-in driver names the target), and ptxas's report is read for what
+made the fused backward slow while it was written: wgmma instructions serialized for want of
+registers (every matmul then waits for the previous one), and shared memory beyond the 227 KiB a
+block may have. The spills are printed, not judged (a few at head dim 128 cost little).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+
+from flashtile import gluon
+
+pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kernels are written for another Triton")
+
+SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
+CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
+         for mask in ("full", "causal")] + ["bwd_preprocess-d64-full", "bwd_preprocess-d128-full"]
+
+
+class _Sm90Target:
+    """The part of Triton's driver interface that compiling (``JITFunction.warmup``) asks for."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _ptxas_report(kernel, path) -> str:
+    with open(path, "w") as f:
+        f.write(kernel.asm["ptx"])
+    result = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                            capture_output=True, text=True, check=True)
+    return result.stdout + result.stderr
+
+
+def _compile(case: str):
+    """One case of CASES, compiled for sm_90a as the launchers would launch it."""
+    from flashtile.gluon import sm90_bwd, sm90_fwd
+
+    kernel, head_dim, mask = case.rsplit("-", 2)
+    head_dim, causal = int(head_dim[1:]), mask == "causal"
+    # CPU tensors stand in for the GPU's: compiling reads only dtypes, shapes, strides and alignment
+    q = torch.empty(2, 1024, 4, head_dim, dtype=torch.bfloat16)
+    stats = torch.empty(2, 4, 1024)
+    accum = torch.empty(2, 4, 1024, head_dim)
+    descriptor = sm90_fwd.descriptor
+    if kernel == "fwd":
+        return sm90_fwd._attn_fwd_sm90_kernel.warmup(
+            q_desc=descriptor(q, sm90_fwd.ROWS), k_desc=descriptor(q, sm90_fwd.BLOCK_N),
+            v_desc=descriptor(q, sm90_fwd.BLOCK_N), o_desc=descriptor(q, sm90_fwd.ROWS), Lse=stats,
+            stride_lb=stats.stride(0), stride_lh=stats.stride(1), group_size=1, seqlen_q=1000, seqlen_k=1000,
+            qk_scale=0.1, CAUSAL=causal, NUM_CONSUMERS=sm90_fwd.CONSUMERS[head_dim], ROWS=sm90_fwd.ROWS,
+            BLOCK_N=sm90_fwd.BLOCK_N, HEAD_DIM=head_dim, NUM_STAGES=sm90_fwd.NUM_STAGES, num_warps=4, grid=(1, ),
+        )
+    if kernel == "bwd_preprocess":
+        return sm90_bwd._bwd_preprocess_kernel.warmup(
+            o_desc=descriptor(q, sm90_bwd.BLOCK_M), do_desc=descriptor(q, sm90_bwd.BLOCK_M), Lse=stats, Lse2=stats,
+            Delta=stats, DQAccum=accum, stride_lb=stats.stride(0), stride_lh=stats.stride(1),
+            stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_ah=accum.stride(1),
+            seqlen_q=1000, ROWS=sm90_bwd.BLOCK_M, HEAD_DIM=head_dim, num_warps=4, grid=(1, ),
+        )
+    return sm90_bwd._attn_bwd_sm90_kernel.warmup(
+        q_desc=descriptor(q, sm90_bwd.BLOCK_M), k_desc=descriptor(q, sm90_bwd.BLOCK_N),
+        v_desc=descriptor(q, sm90_bwd.BLOCK_N), do_desc=descriptor(q, sm90_bwd.BLOCK_M),
+        lse_desc=sm90_bwd._stats_descriptor(stats), delta_desc=sm90_bwd._stats_descriptor(stats),
+        DK=q, DV=q, DQAccum=accum, stride_dkb=q.stride(0), stride_dks=q.stride(1), stride_dkh=q.stride(2),
+        stride_dvb=q.stride(0), stride_dvs=q.stride(1), stride_dvh=q.stride(2),
+        stride_ab=accum.stride(0), stride_ah=accum.stride(1), group_size=1, seqlen_q=1000, seqlen_k=1000,
+        qk_scale=0.1, sm_scale=0.07, CAUSAL=causal, BLOCK_M=sm90_bwd.BLOCK_M, BLOCK_N=sm90_bwd.BLOCK_N,
+        KEYS=sm90_bwd.KEYS, HEAD_DIM=head_dim, NUM_STAGES=sm90_bwd.NUM_STAGES, num_warps=4, grid=(1, ),
+    )
+
+
+def compile_all(workdir: str) -> dict:
+    """{case: (ptxas's report, shared bytes)}. Runs in a process of its own: under the interpreter,
+    which the test session uses on a CPU, Triton's own functions cannot be compiled."""
+    triton.runtime.driver.set_active(_Sm90Target())
+    results = {}
+    for case in CASES:
+        kernel = _compile(case)
+        results[case] = (_ptxas_report(kernel, os.path.join(workdir, "kernel.ptx")), kernel.metadata.shared)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, __file__, str(tmp_path_factory.mktemp("sm90"))], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiles_for_sm90_without_serialized_wgmma(reports, case):
+    report, shared = reports[case]
+    assert "serialized" not in report, report
+    assert shared <= SM90_MAX_SHARED, shared
+    print(case, " ".join(line.strip() for line in report.splitlines() if "spill" in line or "Used" in line))
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(sys.argv[1])))
