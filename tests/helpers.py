@@ -42,26 +42,45 @@ def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, 
     return q, k, v, do
 
 
+def packed_inputs(seqlens_q, seqlens_k, nheads, nheads_k, head_dim, dtype, seed):
+    """[q, k, v] (total, nheads, headdim), requiring grad; dO; int32 cu_seqlens_q and cu_seqlens_k."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(total, heads):
+        return torch.randn(total, heads, head_dim, generator=g).to(DEVICE, dtype)
+
+    q, k, v = rand(sum(seqlens_q), nheads), rand(sum(seqlens_k), nheads_k), rand(sum(seqlens_k), nheads_k)
+    do = rand(sum(seqlens_q), nheads)
+    cu_q = torch.tensor([0] + seqlens_q, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + seqlens_k, device=DEVICE).cumsum(0).to(torch.int32)
+    return [t.requires_grad_() for t in (q, k, v)], do, cu_q, cu_k
+
+
 def to_reference(t, dtype):
     """(batch, seqlen, nheads, headdim) → the reference's (batch, nheads, seqlen, headdim), detached."""
     return t.detach().transpose(1, 2).to(dtype)
 
 
-def references(q, k, v, do, keep=None, dropout_p=0.0, **options):
-    """(float64, input-dtype) results of standard attention: [out, lse, dq, dk, dv].
+def references(q, k, v, do, keep=None, dropout_p=0.0, learnable_sink=None, **options):
+    """(float64, input-dtype) results of standard attention: [out, lse, dq, dk, dv], and dsink
+    last with ``learnable_sink``.
 
     ``options`` are the reference's (causal, softmax_scale, window_size, ...); ``keep``
     [B, H, Nq, Nk]: a dropout mask to apply to the reference's probabilities.
     """
     results = []
     for dtype in (torch.float64, q.dtype):
-        qr, kr, vr = (to_reference(t, dtype).requires_grad_() for t in (q, k, v))
-        out, lse, p = ref.attention_forward(qr, kr, vr, **options)
+        inputs = [to_reference(t, dtype).requires_grad_() for t in (q, k, v)]
+        if learnable_sink is not None:
+            inputs.append(learnable_sink.detach().to(dtype).requires_grad_())
+        qr, kr, vr = inputs[:3]
+        out, lse, p = ref.attention_forward(qr, kr, vr, learnable_sink=inputs[3] if len(inputs) > 3 else None,
+                                            **options)
         if keep is not None:
             group = qr.shape[1] // kr.shape[1]
             out = (p * keep.to(dtype) / (1 - dropout_p)) @ vr.repeat_interleave(group, dim=1)
-        grads = torch.autograd.grad(out, (qr, kr, vr), do.transpose(1, 2).to(dtype))
-        results.append([out.transpose(1, 2), lse] + [g.transpose(1, 2) for g in grads])
+        grads = torch.autograd.grad(out, inputs, do.transpose(1, 2).to(dtype))
+        results.append([out.transpose(1, 2), lse] + [g.transpose(1, 2) for g in grads[:3]] + list(grads[3:]))
     return results
 
 

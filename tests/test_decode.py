@@ -20,7 +20,7 @@ from flashtile.decode import flash_attn_with_kvcache
 from flashtile.reference import kvcache_attention_reference
 from flashtile.triton.launch import num_splits_heuristic
 
-REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes")
+REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "learnable_sink")
 
 
 
@@ -161,6 +161,18 @@ def test_window_softcap_alibi(backend, options):
     elif options.get("alibi_slopes") == "per-sequence":
         options["alibi_slopes"] = torch.rand(2, 4, generator=g).to(DEVICE)
     case.check(num_splits=3, **options)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_learnable_sink_counts_once(backend, num_splits):
+    # split-KV merges partial results: the sink must join one of them only. Sequence 0 is empty
+    # (0 and L = sink), sequence 1 ends mid-page; causal chunk of 3 queries, paged, with an append
+    sink = torch.tensor([8.0, -1.5, 0.25, -30.0], device=DEVICE)
+    case = Case(batch=3, seqlen_q=3, nheads=(4, 2), capacity=128, cache_seqlens=[0, 37, 120], seqlen_new=0,
+                page_size=16, dtype=torch.bfloat16, seed=9)
+    out, lse = case.check(causal=True, num_splits=num_splits, learnable_sink=sink)
+    assert (out[0] == 0).all()
+    torch.testing.assert_close(lse[0], sink[:, None].expand(4, 3), rtol=1e-6, atol=1e-6)  # sink · log2e · ln 2
 
 
 def test_int_cache_seqlens_and_empty_batch(backend):

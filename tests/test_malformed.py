@@ -98,7 +98,8 @@ for path in ("kernels", "cpu"):
     os.environ["TRITON_INTERPRET"] = "1" if path == "kernels" and device == "cpu" else "0"
     tensors = [t.cpu() if path == "cpu" else t for t in (q, k, v, do)]
     cu_path = cu.cpu() if path == "cpu" else cu
-    call_path = (*AttentionTensors(cu_seqlens_q=cu_path, cu_seqlens_k=cu_path), *call[5:])
+    options = call[len(AttentionTensors._fields):]
+    call_path = (*AttentionTensors(cu_seqlens_q=cu_path, cu_seqlens_k=cu_path), *options)
     out, lse = torch.ops.flashtile.fwd(*tensors[:3], *call_path)
     grads = [torch.empty_like(t) for t in tensors[:3]]
     torch.ops.flashtile.bwd(tensors[3], *tensors[:3], out, lse, *grads, False, *call_path)

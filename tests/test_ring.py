@@ -47,11 +47,13 @@ class Case:
     nheads_q: int
     nheads_k: int
     head_dim: int
+    sink: bool = False  # a learnable sink: counted once per row; its gradient summed over the ranks
 
     @property
     def id(self) -> str:
         return (f"w{self.world_size}-{self.kernels}-{self.layout}-{'causal' if self.causal else 'full'}-"
-                f"{self.dtype}-h{self.nheads_q}:{self.nheads_k}-d{self.head_dim}-q{self.seqlen_q}-k{self.seqlen_k}")
+                f"{self.dtype}-h{self.nheads_q}:{self.nheads_k}-d{self.head_dim}-q{self.seqlen_q}-k{self.seqlen_k}"
+                f"{'-sink' if self.sink else ''}")
 
 
 def _kernels(world_size: int) -> list[str]:
@@ -60,11 +62,11 @@ def _kernels(world_size: int) -> list[str]:
     return ["tiled"] if torch.cuda.is_available() else ["interpreter", "tiled"]
 
 
-# (layout, causal, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim) per world size;
+# (layout, causal, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim[, sink]) per world size;
 # global seqlens are multiples of 2W (zigzag) or W (contiguous) with odd chunk lengths. The
 # interpreter's grid is the smallest: a world of 4 on two cores spends ~5 s per case there.
 INTERPRETER_GRID = {
-    2: [("zigzag", True, "bf16", 2, 28, 28, 4, 2, 40),
+    2: [("zigzag", True, "bf16", 2, 28, 28, 4, 2, 40, True),
         ("zigzag", True, "fp32", 1, 20, 20, 2, 2, 96),
         ("contiguous", False, "fp32", 1, 26, 26, 4, 1, 96),
         ("contiguous", False, "bf16", 2, 18, 26, 4, 2, 40)],
@@ -72,11 +74,11 @@ INTERPRETER_GRID = {
         ("contiguous", False, "fp32", 1, 20, 20, 4, 2, 96)],
 }
 GRID = {  # the CPU tiled path and CUDA
-    2: [("zigzag", True, "fp32", 2, 36, 36, 4, 2, 40),
+    2: [("zigzag", True, "fp32", 2, 36, 36, 4, 2, 40, True),
         ("zigzag", False, "fp16", 1, 44, 44, 2, 2, 96),
         ("contiguous", True, "bf16", 2, 34, 34, 4, 1, 96),
         ("contiguous", False, "fp32", 2, 18, 30, 6, 2, 40)],
-    4: [("zigzag", True, "bf16", 2, 40, 40, 8, 2, 96),
+    4: [("zigzag", True, "bf16", 2, 40, 40, 8, 2, 96, True),
         ("zigzag", True, "fp32", 1, 56, 56, 2, 1, 40),
         ("contiguous", True, "fp32", 1, 28, 28, 4, 2, 40),
         ("zigzag", False, "bf16", 1, 24, 40, 4, 4, 40)],
@@ -90,53 +92,60 @@ CASES = [
 
 
 def _full_inputs(case: Case, device):
-    """q, k, v, dout of the whole sequence, identical on every rank (fixed seed)."""
+    """q, k, v, dout of the whole sequence and the sink (or None), identical on every rank (fixed seed)."""
     g = torch.Generator().manual_seed(case.seqlen_q * 1000 + case.head_dim)
     dtype = DTYPES[case.dtype]
 
     def rand(seqlen, nheads):
         return torch.randn(case.batch, seqlen, nheads, case.head_dim, generator=g).to(device, dtype)
 
+    sink = (2.0 * torch.randn(case.nheads_q, generator=g)).to(device) if case.sink else None
     return (rand(case.seqlen_q, case.nheads_q), rand(case.seqlen_k, case.nheads_k),
-            rand(case.seqlen_k, case.nheads_k), rand(case.seqlen_q, case.nheads_q))
+            rand(case.seqlen_k, case.nheads_k), rand(case.seqlen_q, case.nheads_q), sink)
 
 
-def _check_case(case: Case, ring_results, q, k, v, do):
-    """Rank 0: the gathered ring results against float64 and against single-process flashtile."""
-    out, lse, dq, dk, dv = ring_results
-    ref64, ref_lowp = references(q, k, v, do, causal=case.causal)
+def _check_case(case: Case, ring_results, q, k, v, do, sink):
+    """Rank 0: the gathered ring results (and the sink's gradient summed over the ranks) against
+    float64 and against single-process flashtile."""
+    ref64, ref_lowp = references(q, k, v, do, causal=case.causal, learnable_sink=sink)
+    out, lse = ring_results[:2]
     assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
     torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
-    for name, got, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref_lowp[2:]):
-        assert got.dtype == q.dtype
+    for name, got, r64, rlow in zip(("dq", "dk", "dv", "dsink"), ring_results[2:], ref64[2:], ref_lowp[2:]):
+        assert got.dtype == (q.dtype if name != "dsink" else torch.float32)
         assert_accurate(name, got, r64, rlow, factor=3)
     if case.dtype == "fp32":  # in low precision the ring rounds each block's output: float64 judges
-        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-        single_out, single_lse, _ = flashtile.flash_attn_func(qf, kf, vf, causal=case.causal, return_attn_probs=True)
-        single = (single_out, single_lse, *torch.autograd.grad(single_out, (qf, kf, vf), do))
-        for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), ring_results, single):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v) + ((sink,) if case.sink else ())]
+        single_out, single_lse, _ = flashtile.flash_attn_func(*inputs[:3], causal=case.causal, return_attn_probs=True,
+                                                              learnable_sink=inputs[3] if case.sink else None)
+        single = (single_out, single_lse, *torch.autograd.grad(single_out, inputs, do))
+        for name, got, expected in zip(("out", "lse", "dq", "dk", "dv", "dsink"), ring_results, single):
             torch.testing.assert_close(got, expected, msg=lambda m, name=name: f"{name} vs flash_attn_func: {m}")
 
 
 def _run_case(case: Case, rank: int, device):
     os.environ["TRITON_INTERPRET"] = "1" if case.kernels == "interpreter" else "0"
-    q, k, v, do = _full_inputs(case, device)
+    q, k, v, do, sink = _full_inputs(case, device)
 
     def shard(t):
         return shard_sequence(t, rank, case.world_size, case.layout)
 
-    q_local, k_local, v_local = (shard(t).requires_grad_() for t in (q, k, v))
-    out, lse, _ = ring_flash_attn_func(q_local, k_local, v_local, causal=case.causal, layout=case.layout,
-                                       return_attn_probs=True)
-    assert out.shape == q_local.shape and out.dtype == q_local.dtype
-    assert lse.shape == (case.batch, case.nheads_q, q_local.shape[1]) and lse.dtype == torch.float32
-    grads = torch.autograd.grad(out, (q_local, k_local, v_local), shard(do))
-    gathered = [gather_sequence(t.detach(), layout=case.layout, dim=1) for t in (out, *grads)]
+    inputs = [shard(t).requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if case.sink else [])
+    out, lse, _ = ring_flash_attn_func(*inputs[:3], causal=case.causal, layout=case.layout, return_attn_probs=True,
+                                       learnable_sink=inputs[3] if case.sink else None)
+    assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
+    assert lse.shape == (case.batch, case.nheads_q, inputs[0].shape[1]) and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, inputs, shard(do))
+    gathered = [gather_sequence(t.detach(), layout=case.layout, dim=1) for t in (out, *grads[:3])]
     gathered.insert(1, gather_sequence(lse, layout=case.layout, dim=2))
+    if case.sink:  # each rank's share, summed as for any parameter the ranks replicate
+        dsink = grads[3].clone()
+        dist.all_reduce(dsink)
+        gathered.append(dsink)
     if rank != 0:
         return None
     try:
-        _check_case(case, gathered, q, k, v, do)
+        _check_case(case, gathered, q, k, v, do, sink)
     except AssertionError as error:
         return str(error)
     return None
@@ -201,17 +210,20 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("sink", [False, True], ids=["", "sink"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_world_size_one_is_flash_attn_func_bitwise(single_process_group, backend, device, causal):
+def test_world_size_one_is_flash_attn_func_bitwise(single_process_group, backend, device, causal, sink):
     # one rank: one block, no merge, and float32 accumulators that hold the block's
     # gradients exactly, so the ring must reproduce flash_attn_func bit for bit
     g = torch.Generator().manual_seed(9)
     q, k, v, do = (torch.randn(2, 34, nheads, 40, generator=g).to(device, torch.bfloat16) for nheads in (4, 2, 2, 4))
+    learnable_sink = [torch.randn(4, generator=g).to(device)] if sink else []
     results = []
     for attend in (ring_flash_attn_func, flashtile.flash_attn_func):
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse, _ = attend(qg, kg, vg, causal=causal, return_attn_probs=True)
-        results.append((out, lse, *torch.autograd.grad(out, (qg, kg, vg), do)))
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, *learnable_sink)]
+        out, lse, _ = attend(*inputs[:3], causal=causal, return_attn_probs=True,
+                             learnable_sink=inputs[3] if sink else None)
+        results.append((out, lse, *torch.autograd.grad(out, inputs, do)))
     for ring, single in zip(*results):
         assert torch.equal(ring, single)
 

@@ -6,8 +6,8 @@ in training mode, the gradients of every parameter must agree, for a plain batch
 padded one (left and right padding; only real tokens compared) and packed ones
 (sequences concatenated with position_ids restarting, or with the flash kwargs of
 DataCollatorWithFlattening), compared with each sequence run alone through the SDPA
-model. A Mistral model covers the sliding window; a Gemma 2 model the softcap, against
-eager attention since SDPA has none.
+model. A Mistral model covers the sliding window; a Gemma 2 model the softcap and a gpt-oss
+model the attention sinks (``s_aux``), both against eager attention since SDPA has neither.
 
 Tolerance: both sides compute in float32 and differ only in the order of their
 float32 sums (tiled online softmax vs one softmax), a few ulps per attention that two
@@ -47,9 +47,13 @@ CONFIGS = {
     # layer 0 slides (window 5), layer 1 is global; a softcap of 1 bends most scores
     "gemma2-softcap": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=16,
                                                         sliding_window=5, attn_logit_softcapping=1.0),
+    # attention sinks; layer 0 slides (window 5), layer 1 is global; 4 experts, 2 per token
+    "gpt-oss-sinks": lambda: transformers.GptOssConfig(**SMALL, head_dim=16, sliding_window=5, num_local_experts=4,
+                                                       num_experts_per_tok=2,
+                                                       layer_types=["sliding_attention", "full_attention"]),
 }
-# SDPA has no softcap; eager attention is transformers' reference for it
-REFERENCE_IMPLEMENTATION = {"gemma2-softcap": "eager"}
+# SDPA has no softcap and no sinks; eager attention is transformers' reference for them
+REFERENCE_IMPLEMENTATION = {"gemma2-softcap": "eager", "gpt-oss-sinks": "eager"}
 
 
 def models(config_name):
@@ -59,6 +63,9 @@ def models(config_name):
     config = CONFIGS[config_name]()
     reference = REFERENCE_IMPLEMENTATION.get(config_name, "sdpa")
     sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=reference)
+    for name, parameter in sdpa.named_parameters():
+        if name.endswith(".sinks"):  # initialised near 0; spread them so that a lost sink shows
+            parameter.data.normal_(0.0, 2.0)
     tile = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=NAME)
     tile.load_state_dict(sdpa.state_dict())
     assert tile.config._attn_implementation == NAME
@@ -163,7 +170,8 @@ def packed_batch(how):
 # The reference is each sequence alone, not SDPA on the packed batch: transformers < 4.54 (and
 # any version while a KV cache is in use) does not read packing from position_ids for SDPA.
 @pytest.mark.parametrize("config_name, how", [("llama", "position-ids"), ("llama", "flash-kwargs"),
-                                              ("llama", "2-rows"), ("mistral-window-5", "position-ids")])
+                                              ("llama", "2-rows"), ("mistral-window-5", "position-ids"),
+                                              ("gpt-oss-sinks", "flash-kwargs")])
 def test_packed_batch_matches_sequences_run_alone(config_name, how):
     sdpa, tile = models(config_name)
     inputs, rows_seqlens = packed_batch(how)
@@ -243,8 +251,8 @@ def test_unsupported_arguments_are_refused():
     _, tile = models("llama")
     q = torch.randn(1, 4, 3, 16, device=DEVICE)
     k = torch.randn(1, 2, 3, 16, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        integration.attention_forward(tile.model.layers[0].self_attn, q, k, k, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        integration.attention_forward(tile.model.layers[0].self_attn, q, k, k, None, position_bias=torch.zeros(4))
 
 
 def test_output_attentions_warns_that_no_weights_are_formed():

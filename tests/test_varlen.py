@@ -13,7 +13,7 @@ takes ~25 s on 2 CPU cores (both backends; ~45 s when the cores are shared).
 
 import pytest
 import torch
-from helpers import DEVICE, assert_accurate, make_inputs
+from helpers import DEVICE, assert_accurate, make_inputs, packed_inputs
 
 import flashtile
 from flashtile._options import AttentionOptions, AttentionTensors
@@ -22,19 +22,6 @@ from flashtile import reference as ref
 # one long sequence among short ones; a query length 0 with keys, keys 0 with queries, lengths 1
 SEQLENS_Q = [3, 0, 1, 70, 1]
 SEQLENS_K = [7, 4, 0, 50, 1]
-
-
-def packed_inputs(seqlens_q, seqlens_k, nheads, nheads_k, head_dim, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(total, heads):
-        return torch.randn(total, heads, head_dim, generator=g).to(DEVICE, dtype)
-
-    q, k, v = rand(sum(seqlens_q), nheads), rand(sum(seqlens_k), nheads_k), rand(sum(seqlens_k), nheads_k)
-    do = rand(sum(seqlens_q), nheads)
-    cu_q = torch.tensor([0] + seqlens_q, device=DEVICE).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + seqlens_k, device=DEVICE).cumsum(0).to(torch.int32)
-    return [t.requires_grad_() for t in (q, k, v)], do, cu_q, cu_k
 
 
 def _slopes(batch, nheads):

@@ -59,7 +59,9 @@ class AttentionTensors(NamedTuple):
 
     ``alibi_slopes`` float32 (nheads,) or (batch, nheads); ``attn_bias`` broadcastable to
     (batch, nheads, seqlen_q, seqlen_k); ``dropout_seed`` int64 (1,) on the inputs' device;
-    ``cu_seqlens_q/k`` int32 (batch + 1,) mark a packed batch.
+    ``cu_seqlens_q/k`` int32 (batch + 1,) mark a packed batch; ``learnable_sink`` float32
+    (nheads,): one logit per query head that joins each row's softmax denominator and adds no value
+    (gpt-oss's attention sinks, FA4's name), not scaled by softmax_scale.
     """
 
     alibi_slopes: torch.Tensor | None = None
@@ -67,6 +69,7 @@ class AttentionTensors(NamedTuple):
     dropout_seed: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    learnable_sink: torch.Tensor | None = None
 
     @property
     def is_varlen(self) -> bool:

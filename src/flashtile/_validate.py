@@ -169,6 +169,20 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
     return alibi_slopes.contiguous()
 
 
+def check_learnable_sink(learnable_sink, nheads: int, device):
+    """→ the sink logits, contiguous: float32 (nheads,) on the inputs' device; None passes through."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dtype != torch.float32:
+        raise TypeError(f"learnable_sink must be a float32 tensor, got {getattr(learnable_sink, 'dtype', learnable_sink)}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape ({nheads},) (one logit per query head), "
+                         f"got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device}, got {learnable_sink.device}")
+    return learnable_sink.contiguous()
+
+
 def check_softcap(softcap) -> float:
     softcap = finite_number("softcap", softcap)
     if softcap < 0:

@@ -27,20 +27,32 @@ def unpack(layout, a, b, c):
     return a, b, c
 
 
+def sink_gradient(dout, out, lse, learnable_sink, varlen: bool) -> torch.Tensor:
+    """d loss / d sink_h = −Σ_{b,i} exp(sink_h − L_i) · D_i, with D_i = rowsum(dO_i ∘ O_i): the sink's
+    probability exp(sink − L) times the gradient of a score whose value is 0. Rows with L = −inf
+    (no key and no sink mass; tokens outside every packed sequence) add nothing."""
+    delta = (dout.float() * out.float()).sum(-1)  # [B, N, H] or [total, H]
+    delta = delta.t() if varlen else delta.transpose(1, 2)  # lse's layout: [H, total] or [B, H, N]
+    sink = learnable_sink.view(-1, 1) if varlen else learnable_sink.view(1, -1, 1)
+    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(sink - lse))
+    heads = 0 if varlen else 1
+    return -(weight * delta).sum(dim=[d for d in range(lse.dim()) if d != heads])
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """Exact attention: ``apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
-    cu_seqlens_k, options)`` → (out, lse); (a, b, c) is (q, k, v), (qkv, None, None) or
-    (q, kv, None) by ``layout``; the five optional tensors are ``AttentionTensors``' fields, in
-    order, passed one by one so that autograd sees them (the bias may need its gradient);
+    cu_seqlens_k, learnable_sink, options)`` → (out, lse); (a, b, c) is (q, k, v), (qkv, None, None) or
+    (q, kv, None) by ``layout``; the six optional tensors are ``AttentionTensors``' fields, in
+    order, passed one by one so that autograd sees them (the bias and the sink may need gradients);
     ``cu_seqlens_k`` None with ``cu_seqlens_q`` given means the same tensor (Dynamo refuses one
     tensor passed twice)."""
 
     @staticmethod
     def forward(ctx, layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                options: AttentionOptions):
+                learnable_sink, options: AttentionOptions):
         q, k, v = unpack(layout, a, b, c)
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-        tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k)
+        tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
         out, lse = fwd_op(q, k, v, *tensors, *options)
         ctx.save_for_backward(a, b, c, out, lse, *tensors)
         ctx.layout = layout
@@ -57,4 +69,7 @@ class FlashAttnFunction(torch.autograd.Function):
         dq, dk, dv = unpack(ctx.layout, *grads)
         bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
         dbias = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
-        return (None, *grads, None, dbias if bias_grad else None, None, None, None, None)
+        dsink = None
+        if tensors.learnable_sink is not None and ctx.needs_input_grad[9]:
+            dsink = sink_gradient(dout, out, lse, tensors.learnable_sink, tensors.is_varlen)
+        return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)

@@ -50,7 +50,7 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, t
     kernel computes exactly — an additive bias included (SDPA's attn_mask: added to the scaled
     scores in both), unless its gradient is wanted —, or a packed batch (total, H, D) of full or
     causal attention without variants (:func:`varlen_attention_forward` picks the path per sequence)."""
-    variants = (tensors.alibi_slopes, tensors.dropout_seed)
+    variants = (tensors.alibi_slopes, tensors.dropout_seed, tensors.learnable_sink)
     if any(t is not None for t in variants) or options.softcap != 0 or options.dropout_p != 0:
         return False
     if tensors.attn_bias is not None and (bias_grad or tensors.is_varlen

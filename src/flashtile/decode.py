@@ -61,6 +61,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Attention of q against a KV cache, appending new keys/values first; flash-attn 2's semantics.
 
@@ -89,16 +90,20 @@ def flash_attn_with_kvcache(
         num_splits: split the key range over this many programs, merged by log-sum-exp;
             0 chooses a count that fills the GPU; 1 disables splitting.
         return_softmax_lse: also return the log-sum-exp.
+        learnable_sink: optional (nheads,) float32: one logit per query head that joins every
+            row's softmax denominator and adds no value (gpt-oss's attention sinks; FA4's name),
+            not scaled by softmax_scale; counted once whatever num_splits is.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_softmax_lse the
-        log-sum-exp (batch, nheads, seqlen_q), float32, natural log (−inf for a row that sees
-        no key, whose output is 0).
+        log-sum-exp (batch, nheads, seqlen_q), float32, natural log, the sink included (−inf for a
+        row that sees no key, or the sink's logit with one; the output is 0 there).
     """
     _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
     batch, seqlen_q, nheads_q, head_dim = q.shape
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
+    learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
     num_splits = _validate.check_num_splits(num_splits)
 
     if cache_seqlens is None:
@@ -116,5 +121,5 @@ def flash_attn_with_kvcache(
         lse = torch.full((batch, q.shape[2], seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
-                                         alibi_slopes, num_splits)
+                                         alibi_slopes, num_splits, learnable_sink)
     return (out, lse) if return_softmax_lse else out

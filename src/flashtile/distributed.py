@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from . import _validate
 from ._options import default_softmax_scale
+from .autograd import sink_gradient
 from .merge import merge_attention_states
 from .ops import attention_backward, attention_forward
 
@@ -172,7 +173,7 @@ def block_plan(step_source: int, rank: int, causal: bool, layout: str, seqlen_q:
     return slice(seqlen_q // 2, None), everything, False
 
 
-def _ring_forward(q, k, v, softmax_scale, causal, layout, ring: _Ring):
+def _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring: _Ring):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     kv = torch.stack((k, v))  # [2, B, Nk, Hk, D]: one message per step
     out = lse = None  # float32 running merge: out [B, Nq, H, D], lse [B, H, Nq]
@@ -182,7 +183,8 @@ def _ring_forward(q, k, v, softmax_scale, causal, layout, ring: _Ring):
         if plan is not None:
             rows, cols, block_causal = plan
             block_out, block_lse = attention_forward(
-                q[:, rows], kv[0][:, cols], kv[1][:, cols], softmax_scale, block_causal
+                q[:, rows], kv[0][:, cols], kv[1][:, cols], softmax_scale, block_causal,
+                learnable_sink=learnable_sink if step == 0 else None,  # the sink's mass counts once
             )
             if out is None:  # step 0, the rank's own K/V: always covers every query
                 out, lse = block_out.float(), block_lse
@@ -226,10 +228,11 @@ class RingFlashAttnFunction(torch.autograd.Function):
     """Ring attention; saves only the local q, k, v, out and log-sum-exp for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, layout: str, group):
+    def forward(ctx, q, k, v, learnable_sink, softmax_scale: float, causal: bool, deterministic: bool, layout: str,
+                group):
         ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, softmax_scale, causal, layout, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring)
+        ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.deterministic = deterministic
@@ -240,10 +243,13 @@ class RingFlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, learnable_sink = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
                                     ctx.layout, ctx.ring)
-        return dq, dk, dv, None, None, None, None, None
+        dsink = None
+        if learnable_sink is not None and ctx.needs_input_grad[3]:  # this rank's rows' share
+            dsink = sink_gradient(dout, out, lse, learnable_sink, varlen=False)
+        return dq, dk, dv, dsink, None, None, None, None, None
 
 
 def ring_flash_attn_func(
@@ -257,6 +263,7 @@ def ring_flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     layout: str = "zigzag",
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -281,6 +288,9 @@ def ring_flash_attn_func(
             off the fused sm_90 kernel, which sums dQ with atomic adds).
         return_attn_probs: also return this rank's log-sum-exp (and None in place of the
             probabilities, which are never formed).
+        learnable_sink: None or float32 (nheads,), as in ``flash_attn_func``, the same on every
+            rank: counted once per row (with the rank's own K/V). Its gradient on each rank is that
+            rank's rows' share: sum it over the ring's ranks, as for any parameter they replicate.
         layout: how the sequence was sharded (``shard_sequence``): ``"zigzag"`` (rank r
             holds chunks r and 2W − 1 − r of 2W; local_seqlen must be even under causal)
             or ``"contiguous"`` (rank r holds chunk r of W). Both are exact with or
@@ -320,6 +330,7 @@ def ring_flash_attn_func(
     if not dist.is_initialized():
         raise RuntimeError("ring_flash_attn_func needs torch.distributed to be initialized (init_process_group)")
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    out, lse = RingFlashAttnFunction.apply(q, k, v, scale, bool(causal), _validate.deterministic(deterministic), layout,
-                                           group)
+    learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[2], q.device)
+    out, lse = RingFlashAttnFunction.apply(q, k, v, learnable_sink, scale, bool(causal),
+                                           _validate.deterministic(deterministic), layout, group)
     return (out, lse, None) if return_attn_probs else out

@@ -73,7 +73,12 @@ _OPTIONS_DOC = """dropout_p: float in [0, 1): dropout on the attention probabili
             sums dQ with atomic adds); it then takes the two-kernel backward, which is slower.
         return_attn_probs: bool; also return the log-sum-exp and, with dropout_p > 0, the
             probabilities with dropped entries negated (flash-attn's S_dmask, for testing; O(N²)
-            memory), else None."""
+            memory), else None.
+        learnable_sink: None, or float32 (nheads,): one logit per query head that joins every
+            row's softmax denominator and adds no value (gpt-oss's attention sinks; FA4's name):
+            lse = log(exp(sink) + Σ_j exp(s_j)) over the final scores, the sink not multiplied by
+            softmax_scale nor dropped by dropout; a row with no visible key gives 0 and
+            lse = sink. Differentiable: d sink = −Σ exp(sink − lse) · rowsum(dO ∘ O)."""
 
 
 def _with_options_doc(function):
@@ -82,21 +87,22 @@ def _with_options_doc(function):
 
 
 def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-            deterministic=False, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-            max_seqlen_k=0, return_attn_probs=False):
+            deterministic=False, learnable_sink=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=0, max_seqlen_k=0, return_attn_probs=False):
     """Shared tail of every public function; q and k are views for shapes (heads on dim −2)."""
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap, dropout_p,
                                           max_seqlen_q, max_seqlen_k, deterministic_asked=deterministic)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
+    learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     dropout_seed = None
     if options.dropout_p > 0:
         dropout_seed = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=q.device)
     if cu_seqlens_k is cu_seqlens_q:
         cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same"
     out, lse = FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed,
-                                       cu_seqlens_q, cu_seqlens_k, options)
+                                       cu_seqlens_q, cu_seqlens_k, learnable_sink, options)
     if not return_attn_probs:
         return out
     probs = None
@@ -165,6 +171,7 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, argument-compatible with flash-attn 2.
 
@@ -182,12 +189,14 @@ def flash_attn_func(
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(SEPARATE, q, k, v, q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   deterministic=deterministic, return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, learnable_sink=learnable_sink,
+                   return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             learnable_sink=None):
     """:func:`flash_attn_func` on packed inputs; the gradient comes packed the same way, written in
     place with no concatenation.
 
@@ -204,12 +213,14 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   deterministic=deterministic, return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, learnable_sink=learnable_sink,
+                   return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             learnable_sink=None):
     """:func:`flash_attn_func` on q and packed k, v; kv's gradient comes packed the same way.
 
     Arguments:
@@ -226,7 +237,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     _validate.check_qkv(q, k, v, heads_axis=2)
     return _attend(KV_PACKED, q, kv, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                   deterministic=deterministic, return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, learnable_sink=learnable_sink,
+                   return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
@@ -246,6 +258,7 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    learnable_sink: torch.Tensor | None = None,
 ):
     """Attention over a batch of sequences packed without padding, as flash-attn 2's.
 
@@ -272,13 +285,14 @@ def flash_attn_varlen_func(
     return _attend(SEPARATE, q, k, v, q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   deterministic=deterministic, return_attn_probs=return_attn_probs)
+                   deterministic=deterministic, learnable_sink=learnable_sink,
+                   return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False):
+                                     deterministic=False, return_attn_probs=False, learnable_sink=None):
     """:func:`flash_attn_varlen_func` on packed inputs, with one set of sequence lengths.
 
     Arguments:
@@ -298,13 +312,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                   max_seqlen_k=max_seqlen, deterministic=deterministic, return_attn_probs=return_attn_probs)
+                   max_seqlen_k=max_seqlen, deterministic=deterministic, learnable_sink=learnable_sink,
+                   return_attn_probs=return_attn_probs)
 
 
 @_with_options_doc
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                    learnable_sink=None):
     """:func:`flash_attn_varlen_func` on q and packed k, v.
 
     Arguments:
@@ -327,7 +343,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, deterministic=deterministic,
-                   return_attn_probs=return_attn_probs)
+                   learnable_sink=learnable_sink, return_attn_probs=return_attn_probs)
 
 
 def attention(
@@ -339,6 +355,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -354,6 +372,8 @@ def attention(
             top-left; the two agree when seqlen_q = seqlen_k).
         scale: float, default 1 / sqrt(headdim).
         enable_gqa: bool, required when nheads_k < nheads, as in SDPA.
+        learnable_sink: keyword only, None or float32 (nheads,): attention sinks, as in
+            :func:`flash_attn_func` (not an SDPA argument).
 
     Returns:
         (batch, nheads, seqlen_q, headdim) in q's dtype.
@@ -368,5 +388,5 @@ def attention(
     bias = _validate.attn_mask_to_bias(attn_mask, q, k)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     out = _attend(SEPARATE, qt, kt, vt, qt, kt, softmax_scale=scale, causal=is_causal, window_size=(-1, -1),
-                  softcap=0.0, alibi_slopes=None, dropout_p=dropout_p, attn_bias=bias)
+                  softcap=0.0, alibi_slopes=None, dropout_p=dropout_p, learnable_sink=learnable_sink, attn_bias=bias)
     return out.transpose(1, 2)

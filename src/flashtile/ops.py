@@ -123,8 +123,12 @@ def _wants_grad(t) -> bool:
 def _fwd(q, k, v, *arguments):
     tensors, options = _call(arguments)
     if _attends_nothing(q, k, tensors):
-        # nothing to attend: output 0, log-sum-exp -inf
-        return q.new_zeros(q.shape), torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
+        # nothing to attend: output 0, log-sum-exp -inf, or the sink's logit (its mass alone)
+        lse = torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
+        if tensors.learnable_sink is not None:
+            heads = (-1, 1) if tensors.is_varlen else (1, -1, 1)
+            lse.copy_(tensors.learnable_sink.view(heads).expand_as(lse))
+        return q.new_zeros(q.shape), lse
     if uses_triton(q):
         return launch.attention_forward(q, k, v, options, tensors)
     if cpu.fused_applies(q, k, options, tensors, bias_grad=_wants_grad(tensors.attn_bias)):
@@ -133,9 +137,11 @@ def _fwd(q, k, v, *arguments):
         return cpu.fused_attention_forward(q, k, v, options, tensors.attn_bias)
     if tensors.is_varlen:
         out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+                                                            learnable_sink=tensors.learnable_sink,
                                                             **_reference_arguments(options, tensors))
         return out, lse.float()
     out, lse = reference.tiled_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 learnable_sink=tensors.learnable_sink,
                                                  **_reference_arguments(options, tensors))
     return out.transpose(1, 2).contiguous(), lse.float()
 
@@ -156,7 +162,8 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     if uses_triton(q):
         dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
-    if cpu.fused_applies(q, k, options, tensors, bias_grad):
+    # the backward needs no sink: the log-sum-exp it rebuilds P from includes it
+    if cpu.fused_applies(q, k, options, tensors._replace(learnable_sink=None), bias_grad):
         if tensors.is_varlen:
             grads = cpu.varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
         else:
@@ -217,14 +224,16 @@ def _seed_tensor(dropout_seed, device):
 
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None):
+                      alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None, learnable_sink=None):
     """One attention call's forward, no autograd: (q, k, v) → (out, lse).
 
-    ``dropout_seed``: an int, or an int64 tensor of one element (needed when dropout_p > 0).
+    ``dropout_seed``: an int, or an int64 tensor of one element (needed when dropout_p > 0);
+    ``learnable_sink``: float32 (nheads,) logits in the denominator (the lse includes them).
     """
-    _refuse_autograd(q, k, v, alibi_slopes, attn_bias)
+    _refuse_autograd(q, k, v, alibi_slopes, attn_bias, learnable_sink)
     options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
-    tensors = AttentionTensors(alibi_slopes, attn_bias, _seed_tensor(dropout_seed, q.device))
+    tensors = AttentionTensors(alibi_slopes, attn_bias, _seed_tensor(dropout_seed, q.device),
+                               learnable_sink=learnable_sink)
     return fwd_op(q, k, v, *tensors, *options)
 
 
@@ -260,16 +269,16 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
-                      alibi_slopes=None, num_splits: int = 0):
+                      alibi_slopes=None, num_splits: int = 0, learnable_sink=None):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32)."""
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                                options, alibi_slopes, num_splits)
+                                                options, alibi_slopes, num_splits, learnable_sink=learnable_sink)
     out, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
-        options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32,
+        options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
     )
     return out.to(q.dtype), lse.float()
 

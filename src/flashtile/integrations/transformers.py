@@ -42,12 +42,14 @@ How transformers' arguments map onto flashtile (the contract of its
   the causal and sliding-window pattern, as SDPA receives it;
 * ``sliding_window=w``: ``window_size=(w − 1, w − 1)`` (a query sees w keys counting
   itself; causal makes the right side 0); ``softcap`` passed through; dropout only in
-  training; GQA natively. Returns ``(attn_output (batch, seqlen_q, nheads, headdim),
-  None)``: attention weights are never formed (``output_attentions=True`` warns and returns
-  none, as flash-attn's and SDPA's integrations do).
+  training; GQA natively; attention sinks (``s_aux``, gpt-oss's one logit per head) as
+  ``learnable_sink``, in float32, their gradient flowing back to the model's parameter.
+  Returns ``(attn_output (batch, seqlen_q, nheads, headdim), None)``: attention weights
+  are never formed (``output_attentions=True`` warns and returns none, as flash-attn's and
+  SDPA's integrations do).
 
-Not supported (refused with NotImplementedError): attention sinks (``s_aux``),
-``position_bias`` (T5-style), ``softcap`` together with a 4-D mask.
+Not supported (refused with NotImplementedError): ``position_bias`` (T5-style), ``softcap``
+together with a 4-D mask.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from ..ops import backend
 
 DEFAULT_NAME = "tile_attention"
 _INSTALL_HINT = "install it with: pip install 'transformers>=4.53'"
-_UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -116,6 +118,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
         window_size=(-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1),
         softcap=softcap or 0.0,
+        learnable_sink=None if kwargs.get("s_aux") is None else kwargs["s_aux"].float(),
     )
     if attention_mask is not None and attention_mask.dim() == 4:
         return _with_4d_mask(query, key, value, attention_mask, options), None
@@ -159,7 +162,7 @@ def _with_4d_mask(query, key, value, mask, options):
     if options["softcap"]:
         raise NotImplementedError("softcap with a 4-D attention mask is not supported by flashtile.attention")
     out = attention(query, key, value, attn_mask=mask, dropout_p=options["dropout_p"],
-                    scale=options["softmax_scale"], enable_gqa=True)
+                    scale=options["softmax_scale"], enable_gqa=True, learnable_sink=options["learnable_sink"])
     return out.transpose(1, 2)
 
 
@@ -186,7 +189,7 @@ def _masked(q, k, v, padding_mask, options):
     if options["causal"] and q.shape[1] > 1:
         keep = keep & reference.visible_mask(q.shape[1], keep.shape[-1], causal=True, device=q.device)
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
-                    scale=options["softmax_scale"], enable_gqa=True)
+                    scale=options["softmax_scale"], enable_gqa=True, learnable_sink=options["learnable_sink"])
     return out.transpose(1, 2)
 
 

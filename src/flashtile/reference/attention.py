@@ -50,6 +50,7 @@ class ScoreOptions:
     seq_head: torch.Tensor  # Philox counter word 2 = batch·nheads + head, [B, Hk, G, 1, 1]
     seqlen_q: int
     seqlen_k: int
+    sink: torch.Tensor | None = None  # the learnable sink logits [1, Hk, G, 1] in the compute dtype
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,8 +64,9 @@ def _group_queries(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def score_options(q, k, dtype, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias, dropout_p,
-                  dropout_seed, first_batch: int = 0) -> ScoreOptions:
-    """Options for q [B, Hq, Nq, D], k [B, Hk, Nk, D]; ``first_batch`` offsets the dropout counter."""
+                  dropout_seed, first_batch: int = 0, learnable_sink=None) -> ScoreOptions:
+    """Options for q [B, Hq, Nq, D], k [B, Hk, Nk, D]; ``first_batch`` offsets the dropout counter;
+    ``learnable_sink`` (Hq,): a logit per head in every row's softmax denominator, with no value."""
     batch, nheads, seqlen_q = q.shape[:3]
     seqlen_k = k.shape[2]
     if not 0.0 <= dropout_p < 1.0:
@@ -86,11 +88,14 @@ def score_options(q, k, dtype, softmax_scale, causal, window_size, softcap, alib
         bias = grouped(attn_bias.to(q.device).expand(batch, nheads, seqlen_q, seqlen_k))
         if bias.dtype != torch.bool:
             bias = bias.to(dtype)
+    sink = None
+    if learnable_sink is not None:
+        sink = grouped(learnable_sink.to(device=q.device, dtype=dtype).view(1, nheads, 1))
     seq_head = torch.arange(first_batch * nheads, (first_batch + batch) * nheads, device=q.device)
     return ScoreOptions(
         scale=default_softmax_scale(q.shape[-1], softmax_scale), window=normalize_window(causal, window_size),
         softcap=float(softcap), alibi=alibi, bias=bias, dropout_p=float(dropout_p), dropout_seed=dropout_seed,
-        seq_head=grouped(seq_head.view(batch, nheads, 1, 1)), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        seq_head=grouped(seq_head.view(batch, nheads, 1, 1)), seqlen_q=seqlen_q, seqlen_k=seqlen_k, sink=sink,
     )
 
 
@@ -156,9 +161,10 @@ def standard_forward(q, k, v, opts: ScoreOptions):
     s = _block_scores(opts, qg, k.unsqueeze(2), 0, seqlen_q, 0, seqlen_k)  # [B, Hk, G, Nq, Nk]
     # lse by logsumexp and P = exp(S − L), as the kernels rebuild P. A row with no visible key
     # gets P = 0 and lse = -inf; its scores are replaced by 0 inside logsumexp, whose gradient
-    # would be NaN on a row of -inf.
-    seen = ~torch.isneginf(s).all(-1)  # [B, Hk, G, Nq]
-    lse = torch.logsumexp(torch.where(seen[..., None], s, torch.zeros_like(s)), dim=-1)
+    # would be NaN on a row of -inf. A sink joins the denominator as one more column with no value.
+    columns = s if opts.sink is None else torch.cat([s, opts.sink[..., None].expand(*s.shape[:-1], 1)], dim=-1)
+    seen = ~torch.isneginf(columns).all(-1)  # [B, Hk, G, Nq]
+    lse = torch.logsumexp(torch.where(seen[..., None], columns, torch.zeros_like(columns)), dim=-1)
     lse = torch.where(seen, lse, -math.inf)
     p = torch.exp(s - torch.where(seen, lse, math.inf)[..., None])
     z = _dropout_factor(opts, 0, seqlen_q, 0, seqlen_k, p.dtype)
@@ -167,16 +173,19 @@ def standard_forward(q, k, v, opts: ScoreOptions):
 
 
 def attention_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None):
-    """Standard attention, in the dtype of the inputs. Differentiable by autograd (attn_bias too).
+                      alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None, learnable_sink=None):
+    """Standard attention, in the dtype of the inputs. Differentiable by autograd (attn_bias and
+    learnable_sink too).
 
     q [B, Hq, Nq, D], k and v [B, Hk, Nk, D]; alibi_slopes (Hq,) or (B, Hq);
     attn_bias broadcastable to [B, Hq, Nq, Nk], float (added) or bool (True = may
-    attend); dropout needs an integer ``dropout_seed``. Returns (out [B, Hq, Nq, D],
-    lse [B, Hq, Nq] of the undropped scores, p [B, Hq, Nq, Nk] undropped).
+    attend); dropout needs an integer ``dropout_seed``; learnable_sink (Hq,): a logit per
+    head added to each row's denominator (lse = log(exp(sink) + Σ exp(s)), no value, not
+    dropped). Returns (out [B, Hq, Nq, D], lse [B, Hq, Nq] of the undropped scores,
+    p [B, Hq, Nq, Nk] undropped).
     """
     opts = score_options(q, k, q.dtype, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias,
-                         dropout_p, dropout_seed)
+                         dropout_p, dropout_seed, learnable_sink=learnable_sink)
     return standard_forward(q, k, v, opts)
 
 
@@ -226,6 +235,9 @@ def tiled_forward(q, k, v, opts: ScoreOptions, block_m: int, block_n: int):
         q_blk = qg[..., m0:m1, :].to(cdt)  # [B, Hk, G, BM, D]
         m_i = torch.full(q_blk.shape[:-1], -math.inf, dtype=cdt, device=q.device)
         l_i = torch.zeros_like(m_i)
+        if opts.sink is not None:  # the sink is a first key with no value: max = sink, sum = 1
+            m_i = opts.sink.expand_as(m_i).clone()
+            l_i = torch.ones_like(m_i)
         acc = torch.zeros(q_blk.shape, dtype=cdt, device=q.device)
         lo, hi = key_range(m0, m1, seqlen_q, seqlen_k, opts.window, block_n)
         for n0 in range(lo, hi, block_n):
@@ -295,14 +307,15 @@ def tiled_backward(q, k, v, out, lse, dout, opts: ScoreOptions, bias_shape, bloc
 
 def tiled_attention_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, attn_bias=None, dropout_p=0.0, dropout_seed=None,
-                            block_m=256, block_n=256):
+                            learnable_sink=None, block_m=256, block_n=256):
     """FlashAttention forward with online softmax; O(N) extra memory.
 
     Same arguments as :func:`attention_forward`; returns (out in q's dtype, lse).
     K/V blocks outside the window are skipped; the dropout mask is drawn per block.
+    The backward needs no sink: the log-sum-exp it is given includes it.
     """
     opts = score_options(q, k, compute_dtype(q.dtype), softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         attn_bias, dropout_p, dropout_seed)
+                         attn_bias, dropout_p, dropout_seed, learnable_sink=learnable_sink)
     return tiled_forward(q, k, v, opts, block_m, block_n)
 
 

@@ -35,7 +35,7 @@ def _sequence_kv(k_cache, v_cache, b: int, seqlen: int, cache_batch_idx, block_t
 
 def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None, compute_dtype=None):
+                                alibi_slopes=None, compute_dtype=None, learnable_sink=None):
     """Standard attention of each sequence over its gathered valid prefix (the specification).
 
     q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D] (rows chosen by cache_batch_idx [B]) or
@@ -44,8 +44,8 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     mask and bias is relative to that sequence's own length ``Nk = seqlens_k[b]``:
     scores ``s = q·k · scale``, softcapped ``c · tanh(s / c)``, minus ALiBi
     ``slope · |i + Nk − Nq − j|``; key j visible to query i iff
-    ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded).
-    Computes in ``compute_dtype`` (default q's dtype); returns (out [B, Sq, Hq, D],
+    ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded);
+    learnable_sink (Hq,) joins every row's denominator once. Computes in ``compute_dtype`` (default q's dtype); returns (out [B, Sq, Hq, D],
     lse [B, Hq, Sq]) in ``compute_dtype``.
     """
     compute_dtype = compute_dtype or q.dtype
@@ -59,6 +59,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
         out, lse, _ = attention_forward(
             *(t.to(compute_dtype).unsqueeze(0).transpose(1, 2) for t in (q[b], k_b, v_b)),  # [1, H, N, D]
             softmax_scale, causal, window_size, softcap, slopes, attn_bias=None if exists.all() else exists,
+            learnable_sink=learnable_sink,
         )
         outs.append(out[0].transpose(0, 1))  # [Nq, Hq, D]
         lses.append(lse[0])

@@ -50,15 +50,15 @@ def _unpack(t: torch.Tensor, rows: slice) -> torch.Tensor:
 
 
 def _sequence_options(q_i, k_i, dtype, i, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                      dropout_seed):
+                      dropout_seed, learnable_sink=None):
     slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
     return score_options(q_i, k_i, dtype, softmax_scale, causal, window_size, softcap, slopes, None, dropout_p,
-                         dropout_seed, first_batch=i)
+                         dropout_seed, first_batch=i, learnable_sink=learnable_sink)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                             dropout_seed=None):
+                             dropout_seed=None, learnable_sink=None):
     """Standard attention of each sequence of a packed batch alone. Differentiable by autograd.
 
     q (total_q, Hq, D), k and v (total_k, Hk, D); cu_seqlens_* int32 (batch + 1,)
@@ -71,7 +71,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
     for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)
         opts = _sequence_options(q_i, k_i, q.dtype, i, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                 dropout_p, dropout_seed)
+                                 dropout_p, dropout_seed, learnable_sink)
         out, lse, _ = standard_forward(q_i, k_i, v_i, opts)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
@@ -81,7 +81,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
 
 def tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None,
-                                   dropout_p=0.0, dropout_seed=None, block_m=256, block_n=256):
+                                   dropout_p=0.0, dropout_seed=None, learnable_sink=None, block_m=256, block_n=256):
     """The CPU path of a packed batch: the tiled forward per sequence.
 
     Shapes as :func:`varlen_attention_forward`; returns (out (total_q, Hq, D) in q's
@@ -92,7 +92,7 @@ def tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_
     for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)
         opts = _sequence_options(q_i, k_i, compute_dtype(q.dtype), i, softmax_scale, causal, window_size, softcap,
-                                 alibi_slopes, dropout_p, dropout_seed)
+                                 alibi_slopes, dropout_p, dropout_seed, learnable_sink)
         out_i, lse_i = tiled_forward(q_i, k_i, v_i, opts, block_m, block_n)
         out[rows_q] = out_i[0].transpose(0, 1)
         lse[:, rows_q] = lse_i[0]

@@ -51,7 +51,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import dropout_keep, key_runs, masked_scores_log2, normalise, query_runs, run_bounds, tanh
+from .scores import (dropout_keep, initial_softmax_state, key_runs, masked_scores_log2, normalise, query_runs,
+                     run_bounds, tanh)
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK, Sinks,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -185,10 +186,11 @@ def attn_fwd_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers."""
+    """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers.
+    ``HAS_SINK``: ``Sinks`` (nheads_q,) float32 logits join each row's denominator (no value)."""
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
     i_bh = i_b * nheads_q + i_hq
@@ -221,8 +223,7 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_runs(row_start, tl.minimum(row_start + BLOCK_M, seqlen_q), diagonal, seqlen_k,
                                         window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = initial_softmax_state(Sinks, i_hq, HAS_SINK, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # the key blocks in three runs: masked left edge, whole blocks, masked right edge (diagonal)
     for run in tl.static_range(3):

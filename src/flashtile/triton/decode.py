@@ -21,7 +21,8 @@ block table, so any page size works (flash-attn 2 needs multiples of 256). Witho
 ``CacheBatchIdx`` optionally maps sequence ``b`` to its cache row.
 
 Conventions: bottom-right causal alignment per sequence; a split that sees no key writes output 0
-and log-sum-exp −inf (natural log, float32), which the merge weights 0.
+and log-sum-exp −inf (natural log, float32), which the merge weights 0. A learnable sink (one logit
+per query head in the denominator, no value) is counted by the first split alone.
 
 Memory safety: whatever the index tensors hold, no load leaves the tensors: each sequence's length
 is clamped into [0, capacity]; a ``CacheBatchIdx`` outside [0, cache_rows) makes the sequence see no
@@ -34,12 +35,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import is_visible, key_range, normalise, scores_log2
+from .scores import initial_softmax_state, is_visible, key_range, normalise, scores_log2
 
 
 @triton.jit
 def kvcache_attn_fwd_kernel(
-    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes,
+    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -50,7 +51,7 @@ def kvcache_attn_fwd_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
@@ -101,8 +102,10 @@ def kvcache_attn_fwd_kernel(
     split_lo = lo + i_split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(hi, split_lo + blocks_per_split * BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = initial_softmax_state(Sinks, o_hq, HAS_SINK, BLOCK_M)
+    if HAS_SINK:  # the sink joins the denominator once: in the first split, which the merge then weights
+        m_i = tl.where(i_split == 0, m_i, float("-inf"))
+        l_i = tl.where(i_split == 0, l_i, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         cols = start_n + o_n

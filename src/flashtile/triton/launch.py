@@ -148,10 +148,11 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
                  v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
     written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has,
-    with a positive softmax scale (it masks raw scores before scaling them), from
+    without a learnable sink, with a positive softmax scale (it masks raw scores before scaling them), from
     ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
-    return (_plain(options, tensors) and sm90_fwd is not None and options.softmax_scale > 0
+    return (_plain(options, tensors) and tensors.learnable_sink is None and sm90_fwd is not None
+            and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
             and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v))
@@ -257,9 +258,10 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
         _launch(
             attn_fwd_kernel, (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
             **tiles, Lse=lse, **_variant_arguments(options, tensors, q, k, shape),
+            Sinks=q if tensors.learnable_sink is None else tensors.learnable_sink,
             **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
             **_token_strides("o", out), **_lse_strides(lse),
-            USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded, **cfg,
+            HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded, **cfg,
         )
         return out, lse
 
@@ -369,12 +371,12 @@ def split_plan(batch, seqlen_q, group_size, nheads_k, padded_head_dim, dtype, ma
 
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
-                              config: dict | None = None):
+                              config: dict | None = None, learnable_sink=None):
     """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D] or paged [num_blocks, page_size, Hk, D] with
     block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
     [B, Hq] float32; num_splits 0 = heuristic; ``config`` overrides the block shapes (benchmark
-    tuning). → (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+    tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     nheads_k = k_cache.shape[2]
     group_size = nheads_q // nheads_k
@@ -401,7 +403,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             kvcache_attn_fwd_kernel, (num_m_blocks, batch * nheads_k, num_splits),
             Q=q, K=k_cache, V=v_cache, Out=out_part, Lse=lse_part, SeqlensK=seqlens_k,
             CacheBatchIdx=seqlens_k if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
-            AlibiSlopes=slopes,
+            AlibiSlopes=slopes, Sinks=slopes if learnable_sink is None else learnable_sink,
             **_strides("q", "bshd", q.stride()), **_strides("k", "bshd", k_cache.stride()),
             **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", out_part.stride()),
             **_strides("l", "pbhs", lse_part.stride()), **_strides("t", "bn", table.stride()),
@@ -413,7 +415,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             window_left=options.window_left, window_right=options.window_right,
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
-            HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+            HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
             HEAD_DIM=head_dim, BLOCK_D=padded, DOT_PRECISION=configs.dot_precision(q.dtype), **cfg,
         )
         if num_splits > 1:

@@ -198,6 +198,21 @@ def run_bounds(RUN: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def initial_softmax_state(Sinks, head, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(m, ℓ) [BLOCK_M] of the online softmax before the first key: −inf and 0, or with a learnable
+    sink (a logit that joins the denominator and has no value) its base-2 logit and 1, as if it were
+    a first key whose value is 0. ``head``: a scalar or a [BLOCK_M] vector of query heads."""
+    if HAS_SINK:
+        sink_log2 = tl.load(Sinks + head) * 1.4426950408889634  # * log2(e): the running max is in base 2
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink_log2
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def normalise(acc, l_i, m_i):
     """The online softmax's end: (out = acc / ℓ, natural-log lse = (m + log2 ℓ) · ln 2) from the
     base-2 running state, with out 0 and lse −inf on a row that saw no key (ℓ = 0). ``log2`` takes
