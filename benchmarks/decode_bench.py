@@ -34,7 +34,6 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from flashtile._options import AttentionOptions
 from flashtile.decode import flash_attn_with_kvcache
-from flashtile.triton import configs
 from flashtile.triton.launch import kvcache_attention_forward, split_plan
 
 NHEADS, NHEADS_K, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -73,7 +72,7 @@ def make_cache(batch, capacity):
 
 
 def heuristic_splits(batch, capacity) -> int:
-    return split_plan(batch, 1, NHEADS // NHEADS_K, NHEADS_K, configs.block_d(HEAD_DIM), DTYPE, capacity,
+    return split_plan(batch, 1, NHEADS // NHEADS_K, NHEADS_K, HEAD_DIM, DTYPE, capacity,
                       torch.device("cuda"))[2]
 
 

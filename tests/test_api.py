@@ -24,7 +24,7 @@ def qkv(q_shape=(2, 16, 4, 32), kv_shape=(2, 16, 4, 32), dtype=torch.float16):
         (lambda: qkv(dtype=torch.float64), TypeError, "torch.float64"),
         (lambda: (qkv()[0].float(), *qkv()[1:]), TypeError, "must share a dtype"),
         (lambda: qkv(kv_shape=(3, 16, 4, 32)), ValueError, r"batch sizes differ: q \(2, 16, 4, 32\), k \(3, 16, 4, 32\)"),
-        (lambda: qkv(kv_shape=(2, 16, 4, 64)), ValueError, "head dims differ"),
+        (lambda: qkv(kv_shape=(2, 16, 4, 64)), ValueError, "head dims of q and k differ"),
         (lambda: qkv(kv_shape=(2, 16, 3, 32)), ValueError, r"nheads of q \(4\) must be a multiple of nheads of k/v \(3\)"),
         (lambda: qkv((1, 8, 2, 264), (1, 8, 2, 264)), ValueError, "head dim must be in 1..256, got 264"),
         (lambda: (*qkv()[:2], torch.randn(2, 17, 4, 32).half()), ValueError, "k and v must have the same shape"),

@@ -188,10 +188,12 @@ def test_gluon_only_where_it_applies(monkeypatch):
     for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
                     AttentionOptions(0.1, dropout_p=0.1)):
         assert not usable(options=options), options
-    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1))):
+    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1)),
+                    AttentionTensors(learnable_sink=torch.zeros(2))):
         assert not usable(tensors=tensors), tensors
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
     assert not launch.gluon_usable(full, AttentionTensors(), q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
+    assert not launch.gluon_usable(full, AttentionTensors(), q, q, q[..., :64].contiguous())  # v's head dim (MLA)
     monkeypatch.setattr(launch, "_is_sm90", lambda device: False)
     assert not usable()
 
@@ -227,6 +229,8 @@ def test_gluon_backward_only_where_it_applies(monkeypatch):
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
     every_other = torch.empty(1, 8, 2, 256, dtype=torch.bfloat16)[..., ::2]
     assert not launch.gluon_backward_usable(full, AttentionTensors(), q, q, q, q, q, q, every_other, q)  # dk's head dim
+    v64 = q[..., :64].contiguous()  # v's head dim unlike q's (MLA)
+    assert not launch.gluon_backward_usable(full, AttentionTensors(), q, q, v64, v64, v64, q, q, v64)
     monkeypatch.setattr(launch, "sm90_bwd", None)  # what the launcher holds under another Triton series
     assert not usable()
     monkeypatch.undo()

@@ -48,12 +48,13 @@ class Case:
     nheads_k: int
     head_dim: int
     sink: bool = False  # a learnable sink: counted once per row; its gradient summed over the ranks
+    head_dim_v: int = 0  # v's head dim where it differs from q's and k's (MLA), else 0
 
     @property
     def id(self) -> str:
         return (f"w{self.world_size}-{self.kernels}-{self.layout}-{'causal' if self.causal else 'full'}-"
                 f"{self.dtype}-h{self.nheads_q}:{self.nheads_k}-d{self.head_dim}-q{self.seqlen_q}-k{self.seqlen_k}"
-                f"{'-sink' if self.sink else ''}")
+                f"{'-sink' if self.sink else ''}{f'-dv{self.head_dim_v}' if self.head_dim_v else ''}")
 
 
 def _kernels(world_size: int) -> list[str]:
@@ -62,13 +63,13 @@ def _kernels(world_size: int) -> list[str]:
     return ["tiled"] if torch.cuda.is_available() else ["interpreter", "tiled"]
 
 
-# (layout, causal, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim[, sink]) per world size;
+# (layout, causal, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim[, sink, head_dim_v]) per world size;
 # global seqlens are multiples of 2W (zigzag) or W (contiguous) with odd chunk lengths. The
 # interpreter's grid is the smallest: a world of 4 on two cores spends ~5 s per case there.
 INTERPRETER_GRID = {
     2: [("zigzag", True, "bf16", 2, 28, 28, 4, 2, 40, True),
         ("zigzag", True, "fp32", 1, 20, 20, 2, 2, 96),
-        ("contiguous", False, "fp32", 1, 26, 26, 4, 1, 96),
+        ("contiguous", False, "fp32", 1, 26, 26, 4, 1, 96, False, 40),
         ("contiguous", False, "bf16", 2, 18, 26, 4, 2, 40)],
     4: [("zigzag", True, "bf16", 1, 24, 24, 6, 2, 40),
         ("contiguous", False, "fp32", 1, 20, 20, 4, 2, 96)],
@@ -77,7 +78,7 @@ GRID = {  # the CPU tiled path and CUDA
     2: [("zigzag", True, "fp32", 2, 36, 36, 4, 2, 40, True),
         ("zigzag", False, "fp16", 1, 44, 44, 2, 2, 96),
         ("contiguous", True, "bf16", 2, 34, 34, 4, 1, 96),
-        ("contiguous", False, "fp32", 2, 18, 30, 6, 2, 40)],
+        ("contiguous", False, "fp32", 2, 18, 30, 6, 2, 40, False, 24)],
     4: [("zigzag", True, "bf16", 2, 40, 40, 8, 2, 96, True),
         ("zigzag", True, "fp32", 1, 56, 56, 2, 1, 40),
         ("contiguous", True, "fp32", 1, 28, 28, 4, 2, 40),
@@ -96,12 +97,13 @@ def _full_inputs(case: Case, device):
     g = torch.Generator().manual_seed(case.seqlen_q * 1000 + case.head_dim)
     dtype = DTYPES[case.dtype]
 
-    def rand(seqlen, nheads):
-        return torch.randn(case.batch, seqlen, nheads, case.head_dim, generator=g).to(device, dtype)
+    def rand(seqlen, nheads, head_dim=case.head_dim):
+        return torch.randn(case.batch, seqlen, nheads, head_dim, generator=g).to(device, dtype)
 
     sink = (2.0 * torch.randn(case.nheads_q, generator=g)).to(device) if case.sink else None
+    head_dim_v = case.head_dim_v or case.head_dim
     return (rand(case.seqlen_q, case.nheads_q), rand(case.seqlen_k, case.nheads_k),
-            rand(case.seqlen_k, case.nheads_k), rand(case.seqlen_q, case.nheads_q), sink)
+            rand(case.seqlen_k, case.nheads_k, head_dim_v), rand(case.seqlen_q, case.nheads_q, head_dim_v), sink)
 
 
 def _check_case(case: Case, ring_results, q, k, v, do, sink):
@@ -133,7 +135,7 @@ def _run_case(case: Case, rank: int, device):
     inputs = [shard(t).requires_grad_() for t in (q, k, v)] + ([sink.clone().requires_grad_()] if case.sink else [])
     out, lse, _ = ring_flash_attn_func(*inputs[:3], causal=case.causal, layout=case.layout, return_attn_probs=True,
                                        learnable_sink=inputs[3] if case.sink else None)
-    assert out.shape == inputs[0].shape and out.dtype == inputs[0].dtype
+    assert out.shape == (*inputs[0].shape[:-1], inputs[2].shape[-1]) and out.dtype == inputs[0].dtype
     assert lse.shape == (case.batch, case.nheads_q, inputs[0].shape[1]) and lse.dtype == torch.float32
     grads = torch.autograd.grad(out, inputs, shard(do))
     gathered = [gather_sequence(t.detach(), layout=case.layout, dim=1) for t in (out, *grads[:3])]
@@ -210,13 +212,16 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sink", [False, True], ids=["", "sink"])
+@pytest.mark.parametrize("variant", ["plain", "sink", "dv24"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_world_size_one_is_flash_attn_func_bitwise(single_process_group, backend, device, causal, sink):
+def test_world_size_one_is_flash_attn_func_bitwise(single_process_group, backend, device, causal, variant):
     # one rank: one block, no merge, and float32 accumulators that hold the block's
     # gradients exactly, so the ring must reproduce flash_attn_func bit for bit
     g = torch.Generator().manual_seed(9)
-    q, k, v, do = (torch.randn(2, 34, nheads, 40, generator=g).to(device, torch.bfloat16) for nheads in (4, 2, 2, 4))
+    head_dim_v = 24 if variant == "dv24" else 40
+    q, k, v, do = (torch.randn(2, 34, nheads, head_dim, generator=g).to(device, torch.bfloat16)
+                   for nheads, head_dim in ((4, 40), (2, 40), (2, head_dim_v), (4, head_dim_v)))
+    sink = variant == "sink"
     learnable_sink = [torch.randn(4, generator=g).to(device)] if sink else []
     results = []
     for attend in (ring_flash_attn_func, flashtile.flash_attn_func):

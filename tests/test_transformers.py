@@ -7,7 +7,8 @@ padded one (left and right padding; only real tokens compared) and packed ones
 (sequences concatenated with position_ids restarting, or with the flash kwargs of
 DataCollatorWithFlattening), compared with each sequence run alone through the SDPA
 model. A Mistral model covers the sliding window; a Gemma 2 model the softcap and a gpt-oss
-model the attention sinks (``s_aux``), both against eager attention since SDPA has neither.
+model the attention sinks (``s_aux``), both against eager attention since SDPA has neither; a
+DeepSeek-V3 model MLA's head dims (q/k 24, v 16).
 
 Tolerance: both sides compute in float32 and differ only in the order of their
 float32 sums (tiled online softmax vs one softmax), a few ulps per attention that two
@@ -51,6 +52,11 @@ CONFIGS = {
     "gpt-oss-sinks": lambda: transformers.GptOssConfig(**SMALL, head_dim=16, sliding_window=5, num_local_experts=4,
                                                        num_experts_per_tok=2,
                                                        layer_types=["sliding_attention", "full_attention"]),
+    # MLA: q/k head dim 24 (16 + 8 rotary), v head dim 16; 4 experts, 2 per token from layer 1 on
+    "deepseek-v3-mla": lambda: transformers.DeepseekV3Config(
+        **dict(SMALL, num_key_value_heads=4), kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1),
 }
 # SDPA has no softcap and no sinks; eager attention is transformers' reference for them
 REFERENCE_IMPLEMENTATION = {"gemma2-softcap": "eager", "gpt-oss-sinks": "eager"}
@@ -171,7 +177,7 @@ def packed_batch(how):
 # any version while a KV cache is in use) does not read packing from position_ids for SDPA.
 @pytest.mark.parametrize("config_name, how", [("llama", "position-ids"), ("llama", "flash-kwargs"),
                                               ("llama", "2-rows"), ("mistral-window-5", "position-ids"),
-                                              ("gpt-oss-sinks", "flash-kwargs")])
+                                              ("gpt-oss-sinks", "flash-kwargs"), ("deepseek-v3-mla", "position-ids")])
 def test_packed_batch_matches_sequences_run_alone(config_name, how):
     sdpa, tile = models(config_name)
     inputs, rows_seqlens = packed_batch(how)

@@ -23,6 +23,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Index tensors on a GPU are checked only on request: reading their contents costs a host sync.
 CHECK_INPUTS_VARIABLE = "FLASHTILE_CHECK_INPUTS"
 MAX_HEAD_DIM = 256
+# KV-cache attention also takes absorbed MLA decoding (DeepSeek-V3): q/k head dim 576, v head dim 512
+MAX_KVCACHE_HEAD_DIM, MAX_KVCACHE_HEAD_DIM_V = 576, 512
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third axes
 
 
@@ -37,10 +39,10 @@ def check_tensors(names, tensors, ndim: int) -> None:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
 
 
-def check_head_dim(head_dim: int, shapes) -> None:
+def check_head_dim(head_dim: int, shapes, name: str = "head dim", limit: int = MAX_HEAD_DIM) -> None:
     """``shapes()`` formats the inputs' shapes for the message, only when it raises."""
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim} ({shapes()})")
+    if not 1 <= head_dim <= limit:
+        raise ValueError(f"{name} must be in 1..{limit}, got {head_dim} ({shapes()})")
 
 
 def check_qkv(q, k, v, *, heads_axis: int, names=("q", "k", "v"), packed: bool = False) -> None:
@@ -54,13 +56,14 @@ def check_qkv(q, k, v, *, heads_axis: int, names=("q", "k", "v"), packed: bool =
     def shapes():  # formatted for an error only: this check runs on every call
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
 
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {shapes()}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got {shapes()}")
     if not packed and q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes differ: {shapes()}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: {shapes()}")
+        raise ValueError(f"head dims of q and k differ: {shapes()}")
     check_head_dim(q.shape[-1], shapes)
+    check_head_dim(v.shape[-1], shapes, "head dim of v")
     nheads_q, nheads_k = q.shape[heads_axis], k.shape[heads_axis]
     if nheads_k == 0 or nheads_q % nheads_k != 0:
         raise ValueError(
@@ -265,23 +268,24 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
     batch, seqlen_q, nheads_q, head_dim = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes}")
-    nheads_k = k_cache.shape[2]
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got {shapes}")
+    nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head dims differ: {shapes}")
-    check_head_dim(head_dim, lambda: shapes)
+        raise ValueError(f"head dims of q and k_cache differ: {shapes}")
+    check_head_dim(head_dim, lambda: shapes, limit=MAX_KVCACHE_HEAD_DIM)
+    check_head_dim(head_dim_v, lambda: shapes, "head dim of v_cache", MAX_KVCACHE_HEAD_DIM_V)
     if nheads_k == 0 or nheads_q % nheads_k != 0:
         raise ValueError(f"nheads of q ({nheads_q}) must be a multiple of nheads of the cache ({nheads_k}): {shapes}")
     if batch * nheads_k > MAX_GRID_Y:
         raise ValueError(f"batch · nheads of the cache ({batch} · {nheads_k}) must be ≤ {MAX_GRID_Y}, the kernel "
                          f"grid's second axis: split the batch into several calls ({shapes})")
     if k is not None:
-        expected = (batch, k.shape[1], nheads_k, head_dim)
-        for name, t in (("k", k), ("v", v)):
+        for name, t, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
+            expected = (batch, k.shape[1], nheads_k, dim)
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must be (batch, seqlen_new, nheads_k, headdim) = {expected}, "
-                                 f"got {tuple(t.shape)} ({shapes})")
+                raise ValueError(f"{name} must be (batch, seqlen_new, nheads_k, headdim{'_v' * (t is v)}) = "
+                                 f"{expected}, got {tuple(t.shape)} ({shapes})")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when k and v are appended to the cache")
     if isinstance(cache_seqlens, torch.Tensor):

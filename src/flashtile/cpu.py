@@ -44,12 +44,15 @@ def _pytorch_causal(options: AttentionOptions, seqlen_q: int, seqlen_k: int) -> 
     return None
 
 
-def fused_applies(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, tensors: AttentionTensors,
-                  bias_grad: bool = False) -> bool:
+def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                  tensors: AttentionTensors, bias_grad: bool = False) -> bool:
     """Whether this module computes the call: q [B, Nq, Hq, D], k [B, Nk, Hk, D] that PyTorch's fused
     kernel computes exactly — an additive bias included (SDPA's attn_mask: added to the scaled
     scores in both), unless its gradient is wanted —, or a packed batch (total, H, D) of full or
-    causal attention without variants (:func:`varlen_attention_forward` picks the path per sequence)."""
+    causal attention without variants (:func:`varlen_attention_forward` picks the path per sequence).
+    The kernel needs v's head dim to be q's."""
+    if v.shape[-1] != q.shape[-1]:
+        return False
     variants = (tensors.alibi_slopes, tensors.dropout_seed, tensors.learnable_sink)
     if any(t is not None for t in variants) or options.softcap != 0 or options.dropout_p != 0:
         return False

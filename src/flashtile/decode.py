@@ -67,17 +67,20 @@ def flash_attn_with_kvcache(
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32; seqlen_q = 1 for
-            decoding, more for speculative decoding or chunked prefill.
-        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table a
-            paged cache (num_blocks, page_size, nheads_k, headdim), any page size. Updated in place
-            when k, v are given.
-        k, v: optional new keys/values (batch, seqlen_new, nheads_k, headdim), written into the
-            cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new − 1.
+            decoding, more for speculative decoding or chunked prefill. headdim ≤ 576.
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) and (…, headdim_v), or
+            with block_table paged caches (num_blocks, page_size, nheads_k, headdim or headdim_v),
+            any page size. headdim_v ≤ 512 may differ from headdim: MLA, whose absorbed decoding
+            has headdim 576 and a v_cache that is the first 512 channels of the latent cache
+            (``v_cache = k_cache[..., :512]``, a view: no copy). Updated in place when k, v are given.
+        k, v: optional new keys/values (batch, seqlen_new, nheads_k, headdim or headdim_v),
+            written into the cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new − 1
+            (v after k, so a v_cache viewing k_cache ends up holding v).
         cache_seqlens: int or (batch,) int32: the number of valid cached keys per sequence before
             the append. None means the whole cache is valid (then k, v must be None).
         cache_batch_idx: optional (batch,) int32: the cache row of each sequence (non-paged only).
         block_table: optional (batch, max_blocks) int32: the pages of each sequence, in order.
-        softmax_scale: defaults to 1 / sqrt(headdim).
+        softmax_scale: defaults to 1 / sqrt(headdim) (q's).
         causal: causal mask aligned to the bottom-right of each sequence's own rectangle: with
             seqlen_q = 2 and 4 valid keys (after the append), query 0 sees keys 0..2, query 1
             keys 0..3.
@@ -95,7 +98,7 @@ def flash_attn_with_kvcache(
             not scaled by softmax_scale; counted once whatever num_splits is.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype, and with return_softmax_lse the
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_softmax_lse the
         log-sum-exp (batch, nheads, seqlen_q), float32, natural log, the sink included (−inf for a
         row that sees no key, or the sink's logit with one; the output is 0 there).
     """
@@ -117,7 +120,7 @@ def flash_attn_with_kvcache(
         seqlens_k = cache_seqlens + k.shape[1]
 
     if batch * seqlen_q == 0:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.full((batch, q.shape[2], seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,

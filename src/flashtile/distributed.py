@@ -175,7 +175,8 @@ def block_plan(step_source: int, rank: int, causal: bool, layout: str, seqlen_q:
 
 def _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring: _Ring):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    kv = torch.stack((k, v))  # [2, B, Nk, Hk, D]: one message per step
+    head_dim = k.shape[-1]
+    kv = torch.cat((k, v), dim=-1)  # [B, Nk, Hk, D + Dv]: one message per step (v's head dim may differ)
     out = lse = None  # float32 running merge: out [B, Nq, H, D], lse [B, H, Nq]
     for step in range(ring.world_size):
         incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
@@ -183,7 +184,7 @@ def _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring: 
         if plan is not None:
             rows, cols, block_causal = plan
             block_out, block_lse = attention_forward(
-                q[:, rows], kv[0][:, cols], kv[1][:, cols], softmax_scale, block_causal,
+                q[:, rows], kv[:, cols, :, :head_dim], kv[:, cols, :, head_dim:], softmax_scale, block_causal,
                 learnable_sink=learnable_sink if step == 0 else None,  # the sink's mass counts once
             )
             if out is None:  # step 0, the rank's own K/V: always covers every query
@@ -199,7 +200,8 @@ def _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring: 
 
 def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, layout, ring: _Ring):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    kv = torch.stack((k, v))  # [2, B, Nk, Hk, D]
+    head_dim = k.shape[-1]
+    kv = torch.cat((k, v), dim=-1)  # [B, Nk, Hk, D + Dv]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_pass = None  # the float32 dK/dV of the K/V in hand, accumulated by the ranks before
     for step in range(ring.world_size):
@@ -208,20 +210,20 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
         if plan is not None:
             rows, cols, block_causal = plan
             block_dq, block_dk, block_dv = attention_backward(
-                dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
+                dout[:, rows], q[:, rows], kv[:, cols, :, :head_dim], kv[:, cols, :, head_dim:],
                 out[:, rows], lse[:, :, rows], softmax_scale, block_causal, deterministic=deterministic,
             )
             dq[:, rows] += block_dq
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if step == 0 else dkv_pass.wait()
         if plan is not None:
-            dkv[0][:, cols] += block_dk
-            dkv[1][:, cols] += block_dv
+            dkv[:, cols, :, :head_dim] += block_dk
+            dkv[:, cols, :, head_dim:] += block_dv
         # after the last step this pass delivers each shard's dK/dV to its owner
         dkv_pass = ring.start_pass(dkv, DKV_TAG)
         if incoming is not None:
             kv = incoming.wait()
     dkv = dkv_pass.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[..., :head_dim].to(k.dtype), dkv[..., head_dim:].to(v.dtype)
 
 
 class RingFlashAttnFunction(torch.autograd.Function):
@@ -273,7 +275,7 @@ def ring_flash_attn_func(
     Arguments:
         q: this rank's queries (batch, local_seqlen_q, nheads, headdim), float16 /
             bfloat16 / float32, on this rank's device.
-        k, v: this rank's keys/values (batch, local_seqlen_k, nheads_k, headdim); nheads
+        k, v: this rank's keys/values (batch, local_seqlen_k, nheads_k, headdim or headdim_v); nheads
             a multiple of nheads_k (GQA/MQA as in ``flash_attn_func``). Every rank's
             shards have the same shapes.
         group: the process group (default: the world); its ranks form the ring in order.
@@ -309,7 +311,7 @@ def ring_flash_attn_func(
     sequence at a time.
 
     Returns:
-        out (batch, local_seqlen_q, nheads, headdim) in q's dtype; with
+        out (batch, local_seqlen_q, nheads, headdim_v) in q's dtype; with
         return_attn_probs, ``(out, softmax_lse, None)`` where softmax_lse is
         (batch, nheads, local_seqlen_q), float32, natural log, over the global keys.
     """

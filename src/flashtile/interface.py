@@ -177,12 +177,13 @@ def flash_attn_func(
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32.
-        k, v: (batch, seqlen_k, nheads_k, headdim), q's dtype; nheads a multiple of nheads_k
-            (GQA/MQA: query head h uses KV head h // (nheads // nheads_k)); head dim ≤ 256.
+        k, v: (batch, seqlen_k, nheads_k, headdim) and (…, headdim_v), q's dtype; nheads a multiple
+            of nheads_k (GQA/MQA: query head h uses KV head h // (nheads // nheads_k)); head dims
+            ≤ 256; v's may differ from q's and k's (MLA: 192 and 128).
         {options}
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype; with return_attn_probs,
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with return_attn_probs,
         ``(out, softmax_lse, S_dmask)`` where softmax_lse is (batch, nheads, seqlen_q),
         float32, natural log.
     """
@@ -264,7 +265,7 @@ def flash_attn_varlen_func(
 
     Arguments:
         q: (total_q, nheads, headdim), the sequences' queries one after another.
-        k, v: (total_k, nheads_k, headdim).
+        k, v: (total_k, nheads_k, headdim) and (total_k, nheads_k, headdim_v).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), the cumulative sequence
             lengths: sequence b is tokens [cu[b], cu[b + 1]). Each sequence attends only
             within itself; causal and windows are aligned per sequence (bottom-right).
@@ -274,7 +275,7 @@ def flash_attn_varlen_func(
         {options}
 
     Returns:
-        out (total_q, nheads, headdim); with return_attn_probs, ``(out, softmax_lse, S_dmask)``
+        out (total_q, nheads, headdim_v); with return_attn_probs, ``(out, softmax_lse, S_dmask)``
         with softmax_lse (nheads, total_q), float32, natural log, and with dropout_p > 0 S_dmask
         (batch, nheads, max_seqlen_q, max_seqlen_k): each sequence's probabilities, dropped entries
         negated, 0 outside the sequence (for testing; O(N²) memory), else None.
@@ -362,7 +363,7 @@ def attention(
 
     Arguments:
         q: (batch, nheads, seqlen_q, headdim), float16 / bfloat16 / float32.
-        k, v: (batch, nheads_k, seqlen_k, headdim), q's dtype.
+        k, v: (batch, nheads_k, seqlen_k, headdim) and (…, headdim_v), q's dtype.
         attn_mask: None, bool (True = may attend) or float (added to the scaled scores),
             broadcastable to (batch, nheads, seqlen_q, seqlen_k); a float mask that requires
             grad gets its gradient (reduced over broadcast dims). Cannot be combined with
@@ -376,7 +377,7 @@ def attention(
             :func:`flash_attn_func` (not an SDPA argument).
 
     Returns:
-        (batch, nheads, seqlen_q, headdim) in q's dtype.
+        (batch, nheads, seqlen_q, headdim_v) in q's dtype.
     """
     _validate.check_qkv(q, k, v, heads_axis=1)
     if q.shape[1] != k.shape[1] and not enable_gqa:

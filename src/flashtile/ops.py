@@ -98,6 +98,11 @@ def _call(arguments) -> tuple[AttentionTensors, AttentionOptions]:
     return AttentionTensors(*arguments[:_NUM_TENSORS]), AttentionOptions(*arguments[_NUM_TENSORS:])
 
 
+def out_shape(q, v) -> tuple[int, ...]:
+    """The output's shape: q's, with v's head dim (MLA's differs from q's)."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def _lse_shape(q, tensors: AttentionTensors):
     return (q.shape[1], q.shape[0]) if tensors.is_varlen else (q.shape[0], q.shape[2], q.shape[1])
 
@@ -128,10 +133,10 @@ def _fwd(q, k, v, *arguments):
         if tensors.learnable_sink is not None:
             heads = (-1, 1) if tensors.is_varlen else (1, -1, 1)
             lse.copy_(tensors.learnable_sink.view(heads).expand_as(lse))
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros(out_shape(q, v)), lse
     if uses_triton(q):
         return launch.attention_forward(q, k, v, options, tensors)
-    if cpu.fused_applies(q, k, options, tensors, bias_grad=_wants_grad(tensors.attn_bias)):
+    if cpu.fused_applies(q, k, v, options, tensors, bias_grad=_wants_grad(tensors.attn_bias)):
         if tensors.is_varlen:
             return cpu.varlen_attention_forward(q, k, v, options, tensors)
         return cpu.fused_attention_forward(q, k, v, options, tensors.attn_bias)
@@ -148,7 +153,7 @@ def _fwd(q, k, v, *arguments):
 
 def _fwd_fake(q, k, v, *arguments):
     tensors, _ = _call(arguments)
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, tensors), dtype=torch.float32)
+    return q.new_empty(out_shape(q, v)), q.new_empty(_lse_shape(q, tensors), dtype=torch.float32)
 
 
 def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
@@ -163,7 +168,7 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
         dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
         return dbias if bias_grad else no_bias_grad
     # the backward needs no sink: the log-sum-exp it rebuilds P from includes it
-    if cpu.fused_applies(q, k, options, tensors._replace(learnable_sink=None), bias_grad):
+    if cpu.fused_applies(q, k, v, options, tensors._replace(learnable_sink=None), bias_grad):
         if tensors.is_varlen:
             grads = cpu.varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
         else:

@@ -44,9 +44,10 @@ How transformers' arguments map onto flashtile (the contract of its
   itself; causal makes the right side 0); ``softcap`` passed through; dropout only in
   training; GQA natively; attention sinks (``s_aux``, gpt-oss's one logit per head) as
   ``learnable_sink``, in float32, their gradient flowing back to the model's parameter.
-  Returns ``(attn_output (batch, seqlen_q, nheads, headdim), None)``: attention weights
-  are never formed (``output_attentions=True`` warns and returns none, as flash-attn's and
-  SDPA's integrations do).
+  MLA's value head dim (DeepSeek-V3) passes through as it is. Returns ``(attn_output (batch,
+  seqlen_q, nheads, headdim_v), None)``: attention weights are never formed
+  (``output_attentions=True`` warns and returns none, as flash-attn's and SDPA's
+  integrations do).
 
 Not supported (refused with NotImplementedError): ``position_bias`` (T5-style), ``softcap``
 together with a 4-D mask.
@@ -100,8 +101,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-function contract, computed by flashtile (see the module docstring).
 
     query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_k, seqlen_k,
-    headdim); attention_mask: None, (batch, seqlen_k) padding (1 = token) or 4-D.
-    Returns (attn_output (batch, seqlen_q, nheads, headdim), None).
+    headdim or headdim_v); attention_mask: None, (batch, seqlen_k) padding (1 = token) or 4-D.
+    Returns (attn_output (batch, seqlen_q, nheads, headdim_v), None).
     """
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
@@ -138,7 +139,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = packed
     out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q, cu_seqlens_k,
                                  max_seqlen_q, max_seqlen_k, **options)
-    return out.view(q.shape), None
+    return out.view(*q.shape[:-1], v.shape[-1]), None
 
 
 def build_attention_mask(*args, **kwargs):

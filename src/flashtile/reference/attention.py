@@ -224,11 +224,11 @@ def attention_backward(q, k, v, dout, softmax_scale=None, causal=False, window_s
 
 
 def tiled_forward(q, k, v, opts: ScoreOptions, block_m: int, block_n: int):
-    """The tiled forward with ``opts`` → (out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq], compute dtype)."""
+    """The tiled forward with ``opts`` → (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq], compute dtype)."""
     cdt = compute_dtype(q.dtype)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     qg = _group_queries(q, k)  # [B, Hk, G, Nq, D]
-    out = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((*qg.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)  # [B, Hk, G, Nq, Dv]
     lse = torch.empty(qg.shape[:-1], dtype=cdt, device=q.device)
     for m0 in range(0, seqlen_q, block_m):
         m1 = min(m0 + block_m, seqlen_q)
@@ -238,7 +238,7 @@ def tiled_forward(q, k, v, opts: ScoreOptions, block_m: int, block_n: int):
         if opts.sink is not None:  # the sink is a first key with no value: max = sink, sum = 1
             m_i = opts.sink.expand_as(m_i).clone()
             l_i = torch.ones_like(m_i)
-        acc = torch.zeros(q_blk.shape, dtype=cdt, device=q.device)
+        acc = torch.zeros((*q_blk.shape[:-1], v.shape[-1]), dtype=cdt, device=q.device)  # [B, Hk, G, BM, Dv]
         lo, hi = key_range(m0, m1, seqlen_q, seqlen_k, opts.window, block_n)
         for n0 in range(lo, hi, block_n):
             n1 = min(n0 + block_n, seqlen_k)
@@ -278,9 +278,9 @@ def tiled_backward(q, k, v, out, lse, dout, opts: ScoreOptions, bias_shape, bloc
     for n0 in range(0, seqlen_k, block_n):
         n1 = min(n0 + block_n, seqlen_k)
         k_blk = k[:, :, None, n0:n1].to(cdt)  # [B, Hk, 1, BN, D]
-        v_blk = v[:, :, None, n0:n1].to(cdt)
+        v_blk = v[:, :, None, n0:n1].to(cdt)  # [B, Hk, 1, BN, Dv]
         dk_acc = torch.zeros(k_blk.shape, dtype=cdt, device=q.device)
-        dv_acc = torch.zeros_like(dk_acc)
+        dv_acc = torch.zeros(v_blk.shape, dtype=cdt, device=q.device)
         lo, hi = query_range(n0, n1, seqlen_q, seqlen_k, opts.window, block_m)
         for m0 in range(lo, hi, block_m):
             m1 = min(m0 + block_m, seqlen_q)

@@ -38,15 +38,15 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
                                 alibi_slopes=None, compute_dtype=None, learnable_sink=None):
     """Standard attention of each sequence over its gathered valid prefix (the specification).
 
-    q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D] (rows chosen by cache_batch_idx [B]) or
-    paged [num_blocks, page_size, Hk, D] with block_table [B, max_blocks]; seqlens_k [B] the
+    q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] (rows chosen by cache_batch_idx [B]) or
+    paged [num_blocks, page_size, Hk, D or Dv] with block_table [B, max_blocks]; seqlens_k [B] the
     valid keys of each sequence; alibi_slopes (Hq,) or (B, Hq). One sequence at a time, so every
     mask and bias is relative to that sequence's own length ``Nk = seqlens_k[b]``:
     scores ``s = q·k · scale``, softcapped ``c · tanh(s / c)``, minus ALiBi
     ``slope · |i + Nk − Nq − j|``; key j visible to query i iff
     ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded);
-    learnable_sink (Hq,) joins every row's denominator once. Computes in ``compute_dtype`` (default q's dtype); returns (out [B, Sq, Hq, D],
-    lse [B, Hq, Sq]) in ``compute_dtype``.
+    learnable_sink (Hq,) joins every row's denominator once. Computes in ``compute_dtype`` (default
+    q's dtype); returns (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in ``compute_dtype``.
     """
     compute_dtype = compute_dtype or q.dtype
     batch, _, nheads_q, _ = q.shape

@@ -61,10 +61,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
                              dropout_seed=None, learnable_sink=None):
     """Standard attention of each sequence of a packed batch alone. Differentiable by autograd.
 
-    q (total_q, Hq, D), k and v (total_k, Hk, D); cu_seqlens_* int32 (batch + 1,)
+    q (total_q, Hq, D), k (total_k, Hk, D) and v (total_k, Hk, Dv); cu_seqlens_* int32 (batch + 1,)
     cumulative lengths; alibi_slopes (Hq,) or (batch, Hq). Masks and ALiBi are
     aligned per sequence; the dropout counter uses the sequence index as the batch
-    index and positions within the sequence. Returns (out (total_q, Hq, D),
+    index and positions within the sequence. Returns (out (total_q, Hq, Dv),
     lse (Hq, total_q)).
     """
     outs, lses = [], []
@@ -76,7 +76,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     empty_lse = q.new_empty((q.shape[1], 0))
-    return torch.cat(outs) if outs else torch.zeros_like(q), torch.cat(lses, 1) if lses else empty_lse
+    empty_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    return torch.cat(outs) if outs else empty_out, torch.cat(lses, 1) if lses else empty_lse
 
 
 def tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
@@ -87,7 +88,7 @@ def tiled_varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_
     Shapes as :func:`varlen_attention_forward`; returns (out (total_q, Hq, D) in q's
     dtype, lse (Hq, total_q) in the compute dtype). ``attn_bias`` must be None.
     """
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # (total_q, Hq, Dv)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
     for i, rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias):
         q_i, k_i, v_i = _unpack(q, rows_q), _unpack(k, rows_k), _unpack(v, rows_k)

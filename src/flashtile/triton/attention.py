@@ -38,7 +38,8 @@ corner (query ``i`` sees key ``j`` iff ``j ≤ i + seqlen_k − seqlen_q``), per
 sequence; a row that sees no key gets output 0 and log-sum-exp −inf. The
 log-sum-exp is (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
 Head dims 1..256 are padded inside to a power of two ≥ 16 (masked loads; the
-user never pads). float32 inputs use IEEE float32 dots. Grids are (blocks, heads,
+user never pads); V (and O, dO, dV) may have a head dim of its own (``HEAD_DIM_V``;
+MLA: 192 for Q/K, 128 for V). float32 inputs use IEEE float32 dots. Grids are (blocks, heads,
 batch): batch and heads may each reach CUDA's 65535 on those axes.
 
 Each kernel walks its visible blocks in three runs (``scores.key_runs``/``query_runs``):
@@ -131,13 +132,14 @@ def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
+    o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_b, i_hk, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over K/V blocks [lo, hi). ``APPLY_MASK`` is off for the blocks that
     every row sees whole (in bounds, inside the window): they need no bounds or mask work."""
@@ -146,8 +148,8 @@ def _attn_fwd_inner(
         m_n = cols < seqlen_k
         b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
                           APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_vs, stride_vd,
-                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_dv, m_dv, stride_vs, stride_vd,
+                          APPLY_MASK, EVEN_DV, USE_TMA, BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
@@ -187,10 +189,12 @@ def attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers.
-    ``HAS_SINK``: ``Sinks`` (nheads_q,) float32 logits join each row's denominator (no value)."""
+    ``HAS_SINK``: ``Sinks`` (nheads_q,) float32 logits join each row's denominator (no value).
+    ``HEAD_DIM_V``: the head dim of V and Out (MLA's differs from Q's and K's ``HEAD_DIM``)."""
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
     i_bh = i_b * nheads_q + i_hq
@@ -201,8 +205,10 @@ def attn_fwd_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     m_m = o_m < seqlen_q
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
 
     if USE_TMA:
         k_src = K
@@ -224,28 +230,28 @@ def attn_fwd_kernel(
                                         window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     m_i, l_i = initial_softmax_state(Sinks, i_hq, HAS_SINK, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # the key blocks in three runs: masked left edge, whole blocks, masked right edge (diagonal)
     for run in tl.static_range(3):
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, run_lo, run_hi,
-            o_m, o_n, o_d, m_m, m_d, i_b, i_hk, i_bh, diagonal, seqlen_k,
+            o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_b, i_hk, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            USE_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            HEAD_DIM_V == BLOCK_DV, USE_TMA, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
         )
 
     out, lse = normalise(acc, l_i, m_i)
     if USE_TMA:
         # the copy engine clips rows past seqlen_q and the padded head dims
-        Out.store([i_b, i_m * BLOCK_M, i_hq, 0], out.to(Out.dtype).reshape(1, BLOCK_M, 1, BLOCK_D))
+        Out.store([i_b, i_m * BLOCK_M, i_hq, 0], out.to(Out.dtype).reshape(1, BLOCK_M, 1, BLOCK_DV))
     else:
         p_o = (Out + i_b * stride_ob + q_start * stride_os + i_hq * stride_oh
-               + o_m[:, None] * stride_os + o_d[None, :] * stride_od)
-        tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+               + o_m[:, None] * stride_os + o_dv[None, :] * stride_od)
+        tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_m[:, None] & m_dv[None, :])
     tl.store(Lse + i_b * stride_lb + i_hq * stride_lh + q_start + o_m, lse, mask=m_m)
 
 
@@ -278,13 +284,13 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+    o_m, o_n, o_d, o_dv, m_n, m_d, m_dv, i_bhq, diagonal, seqlen_q, seqlen_k,
     stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one K block over Q blocks [lo, hi) of one query head (Kᵀ-major blocks).
     ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window)."""
@@ -293,8 +299,8 @@ def _attn_bwd_dkdv_inner(
         m_m = rows < seqlen_q
         b_q = _load_rows(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd, m_m, m_d,
                          APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
-        b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d,
-                          APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_dv[None, :] * stride_dod, m_m, m_dv,
+                          APPLY_MASK, EVEN_DV)  # [BLOCK_M, BLOCK_DV]
         if APPLY_MASK:
             b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
@@ -349,6 +355,7 @@ def attn_bwd_dkdv_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_n, i_hk, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
@@ -359,16 +366,19 @@ def attn_bwd_dkdv_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     m_n = o_n < seqlen_k
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
     mask_nd = m_n[:, None] & m_d[None, :]
+    mask_ndv = m_n[:, None] & m_dv[None, :]
     keys = k_start + o_n
     b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_d[None, :] * stride_vd,
-                  mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_dv[None, :] * stride_vd,
+                  mask=mask_ndv, other=0.0)  # [BLOCK_N, BLOCK_DV]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     seed, dropout_scale = _dropout_setup(Seed, dropout_p, HAS_DROPOUT)
 
     diagonal = seqlen_k - seqlen_q
@@ -392,31 +402,31 @@ def attn_bwd_dkdv_kernel(
             run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
             b_dk, b_dv = _attn_bwd_dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed,
-                run_lo, run_hi, o_m, o_n, o_d, m_n, m_d, i_bhq, diagonal, seqlen_q, seqlen_k,
+                run_lo, run_hi, o_m, o_n, o_d, o_dv, m_n, m_d, m_dv, i_bhq, diagonal, seqlen_q, seqlen_k,
                 stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
                 qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
                 dropout_p, dropout_scale,
                 run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT,
-                HEAD_DIM == BLOCK_D, BLOCK_M, DOT_PRECISION,
+                HEAD_DIM == BLOCK_D, HEAD_DIM_V == BLOCK_DV, BLOCK_M, DOT_PRECISION,
             )
 
     b_dk = b_dk * sm_scale
     tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + keys[:, None] * stride_dks + o_d[None, :] * stride_dkd,
              b_dk.to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + keys[:, None] * stride_dvs + o_d[None, :] * stride_dvd,
-             b_dv.to(DV.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + keys[:, None] * stride_dvs + o_dv[None, :] * stride_dvd,
+             b_dv.to(DV.dtype.element_ty), mask=mask_ndv)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(
     b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
-    o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+    o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -424,8 +434,8 @@ def _attn_bwd_dq_inner(
         m_n = cols < seqlen_k
         b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
                          APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_d[None, :] * stride_vd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_dv[None, :] * stride_vd, m_n, m_dv,
+                         APPLY_MASK, EVEN_DV)  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
@@ -461,7 +471,7 @@ def attn_bwd_dq_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
@@ -474,14 +484,16 @@ def attn_bwd_dq_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     m_m = o_m < seqlen_q
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
     mask_md = m_m[:, None] & m_d[None, :]
     rows = q_start + o_m
     b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
-                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_dv[None, :] * stride_dod,
+                   mask=m_m[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_M, BLOCK_DV]
     b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
@@ -502,12 +514,12 @@ def attn_bwd_dq_kernel(
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
         b_dq = _attn_bwd_dq_inner(
             b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
-            o_m, o_n, o_d, m_m, m_d, i_bh, diagonal, seqlen_k,
+            o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            BLOCK_N, DOT_PRECISION,
+            HEAD_DIM_V == BLOCK_DV, BLOCK_N, DOT_PRECISION,
         )
 
     b_dq = b_dq * sm_scale

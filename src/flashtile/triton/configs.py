@@ -82,11 +82,20 @@ def bwd_configs(padded_head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     return _config(*dkdv), _config(*dq)
 
 
-def decode_config(padded_head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
-    """Block shapes of the KV-cache kernel: the M block holds the packed (query position, head)
-    rows, at least 16 for tl.dot."""
+def decode_chunk_d(head_dim: int) -> int:
+    """The KV-cache kernel's Q·Kᵀ chunk of the head dim: the whole padded head dim up to 256 (Q stays
+    in registers), 64-wide chunks beyond (absorbed MLA's 576 = 9 · 64)."""
+    return block_d(head_dim) if head_dim <= 256 else 64
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
+    """Block shapes of the KV-cache kernel (``head_dim``: the larger of Q/K's and V's): the M block
+    holds the packed (query position, head) rows, at least 16 for tl.dot. Beyond 256 (absorbed MLA,
+    a [BLOCK_M, 512] float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
     wide = dtype == torch.float32
     block_m = min(64, max(16, next_power_of_2(query_rows)))
-    if padded_head_dim <= 128:
+    if head_dim <= 128:
         return dict(BLOCK_M=block_m, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)
+    if head_dim <= 256:
+        return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=16, BLOCK_N=32 if not wide else 16, num_warps=8, num_stages=2)

@@ -51,9 +51,11 @@ def kvcache_attn_fwd_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """``BLOCK_D``: Q·Kᵀ runs over the head dim in chunks of BLOCK_D (one chunk, Q held in registers,
+    up to 256; absorbed MLA's 576 in 64-wide chunks); ``HEAD_DIM_V``/``BLOCK_DV``: V's and Out's."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_split = tl.program_id(2)
@@ -66,11 +68,13 @@ def kvcache_attn_fwd_kernel(
     o_hq = i_hk * group_size + o_r % group_size
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     m_r = o_r < seqlen_q * group_size
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
 
-    p_q = Q + i_b.to(tl.int64) * stride_qb + o_q[:, None] * stride_qs + o_hq[:, None] * stride_qh + o_d[None, :] * stride_qd
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_rows = Q + i_b.to(tl.int64) * stride_qb + o_q[:, None] * stride_qs + o_hq[:, None] * stride_qh
+    b_q = tl.load(q_rows + o_d[None, :] * stride_qd, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
         b_slope = tl.load(AlibiSlopes + i_b * stride_ab + o_hq * stride_ah, mask=m_r, other=0.0)  # [BLOCK_M]
@@ -106,7 +110,7 @@ def kvcache_attn_fwd_kernel(
     if HAS_SINK:  # the sink joins the denominator once: in the first split, which the merge then weights
         m_i = tl.where(i_split == 0, m_i, float("-inf"))
         l_i = tl.where(i_split == 0, l_i, 0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < split_hi
@@ -123,9 +127,16 @@ def kvcache_attn_fwd_kernel(
             v_rows = cols * stride_vs
         b_k = tl.load(k_base + k_rows[:, None] + o_d[None, :] * stride_kd,
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        b_v = tl.load(v_base + v_rows[:, None] + o_d[None, :] * stride_vd,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(v_base + v_rows[:, None] + o_dv[None, :] * stride_vd,
+                      mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        # head dims beyond one chunk (absorbed MLA: 576): the rest of Q·Kᵀ chunk by chunk, Q re-read
+        for d0 in tl.static_range(BLOCK_D, HEAD_DIM, BLOCK_D):
+            m_c = (d0 + o_d) < HEAD_DIM
+            b_qc = tl.load(q_rows + (d0 + o_d)[None, :] * stride_qd, mask=m_r[:, None] & m_c[None, :], other=0.0)
+            b_kc = tl.load(k_base + k_rows[:, None] + (d0 + o_d)[None, :] * stride_kd,
+                           mask=m_n[:, None] & m_c[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            qk = tl.dot(b_qc, tl.trans(b_kc), qk, input_precision=DOT_PRECISION)
         s = scores_log2(qk, o_q[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
                          alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         visible = m_n[None, :] & is_visible(o_q[:, None], cols[None, :], diagonal, window_left, window_right,
@@ -145,8 +156,8 @@ def kvcache_attn_fwd_kernel(
     # a split that saw no key writes output 0 and lse -inf: the merge gives it weight 0
     out, lse = normalise(acc, l_i, m_i)
     out_base = Out + i_split * stride_op + i_b.to(tl.int64) * stride_ob
-    p_o = out_base + o_q[:, None] * stride_os + o_hq[:, None] * stride_oh + o_d[None, :] * stride_od
-    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    p_o = out_base + o_q[:, None] * stride_os + o_hq[:, None] * stride_oh + o_dv[None, :] * stride_od
+    tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
     lse_base = Lse + i_split * stride_lp + i_b.to(tl.int64) * stride_lb
     tl.store(lse_base + o_hq * stride_lh + o_q * stride_ls, lse, mask=m_r)
 
@@ -161,7 +172,7 @@ def kvcache_append_kernel(
     stride_tb, stride_tn,
     seqlen_new, page_size, capacity, cache_rows,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i.
 
@@ -174,8 +185,10 @@ def kvcache_append_kernel(
     i_b = tl.program_id(2).to(tl.int64)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     m_s = o_s < seqlen_new
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
     positions = tl.load(CacheSeqlens + i_b).to(tl.int64) + o_s  # [BLOCK_S]
     valid = m_s & (positions >= 0) & (positions < capacity)
     positions = tl.where(valid, positions, 0)
@@ -194,11 +207,12 @@ def kvcache_append_kernel(
             row = tl.where((row >= 0) & (row < cache_rows), row, 0)
         k_rows = row * stride_cb + positions * stride_cs
         v_rows = row * stride_wb + positions * stride_ws
-    mask_new = m_s[:, None] & m_d[None, :]
-    mask_cache = valid[:, None] & m_d[None, :]
     b_k = tl.load(K + i_b * stride_kb + i_h * stride_kh + o_s[:, None] * stride_ks + o_d[None, :] * stride_kd,
-                  mask=mask_new, other=0.0)  # [BLOCK_S, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs + o_d[None, :] * stride_vd,
-                  mask=mask_new, other=0.0)  # [BLOCK_S, BLOCK_D]
-    tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k, mask=mask_cache)
-    tl.store(VCache + i_h * stride_wh + v_rows[:, None] + o_d[None, :] * stride_wd, b_v, mask=mask_cache)
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs + o_dv[None, :] * stride_vd,
+                  mask=m_s[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_S, BLOCK_DV]
+    tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k,
+             mask=valid[:, None] & m_d[None, :])
+    # V after K: where v_cache is a view into k_cache (absorbed MLA), the value channels are written last
+    tl.store(VCache + i_h * stride_wh + v_rows[:, None] + o_dv[None, :] * stride_wd, b_v,
+             mask=valid[:, None] & m_dv[None, :])

@@ -147,11 +147,12 @@ def _plain(options: AttentionOptions, tensors: AttentionTensors) -> bool:
 def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
-    written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has,
-    without a learnable sink, with a positive softmax scale (it masks raw scores before scaling them), from
+    written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has
+    (the same for V), without a learnable sink, with a positive softmax scale (it masks raw scores before scaling them), from
     ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     return (_plain(options, tensors) and tensors.learnable_sink is None and sm90_fwd is not None
+            and v.shape[-1] == head_dim
             and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
             and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
@@ -161,7 +162,7 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
 def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, q, k, v, out, dout,
                           dq, dk, dv) -> bool:
     """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
-    plain full or causal attention in 16 bits at head dims 64 and 128 on an sm_90 GPU with the
+    plain full or causal attention in 16 bits at head dims 64 and 128 (V's too) on an sm_90 GPU with the
     Triton series it is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
     Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and the
     padded float32 dQ accumulator must stay within 32-bit offsets."""
@@ -169,7 +170,7 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
         return False
     batch, seqlen_q, nheads_q, head_dim = q.shape
     padded_q = cdiv(seqlen_q, sm90_bwd.BLOCK_M) * sm90_bwd.BLOCK_M
-    return (q.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
+    return (q.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128) and v.shape[-1] == head_dim
             and q.numel() > 0 and k.numel() > 0 and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v, out, dout)
             and all(t.stride(-1) == 1 for t in (dq, dk, dv)))
@@ -228,40 +229,44 @@ def _variant_arguments(options: AttentionOptions, tensors: AttentionTensors, q: 
     )
 
 
-def _forward_outputs(q, batch, nheads_q, seqlen_q, tensors: AttentionTensors):
-    """(out, lse) to write into. A packed batch's are filled with 0 and −inf first: tokens that its
-    cu_seqlens leave out of every sequence are never written by the kernel."""
+def _forward_outputs(q, head_dim_v, batch, nheads_q, seqlen_q, tensors: AttentionTensors):
+    """(out, lse) to write into; out is q's shape with V's head dim. A packed batch's are filled with 0
+    and −inf first: tokens that its cu_seqlens leave out of every sequence are never written by the kernel."""
+    out_shape = (*q.shape[:-1], head_dim_v)
     if tensors.is_varlen:
-        return (torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+        return (torch.zeros(out_shape, dtype=q.dtype, device=q.device),
                 torch.full((nheads_q, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device))
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(out_shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device))
 
 
 def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
-    """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] (any strides), or packed [total, H, D] with
-    ``tensors.cu_seqlens_*`` → (out like q, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
+    """q [B, Nq, Hq, D], k [B, Nk, Hk, D], v [B, Nk, Hk, Dv] (any strides), or packed [total, H, D] with
+    ``tensors.cu_seqlens_*`` → (out like q with Dv, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
     _check_offsets(q=q, k=k, v=v, attn_bias=tensors.attn_bias)
     with launch_device(q):
         if gluon_usable(options, tensors, q, k, v):
             return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal)
         shape = _shape(q, k, options, tensors)
         batch, seqlen_q, seqlen_k, nheads_q, _, head_dim = shape
-        out, lse = _forward_outputs(q, batch, nheads_q, seqlen_q, tensors)
-        padded = configs.block_d(head_dim)
+        head_dim_v = v.shape[-1]
+        out, lse = _forward_outputs(q, head_dim_v, batch, nheads_q, seqlen_q, tensors)
+        padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
         use_tma = tma_usable(tensors, seqlen_q, seqlen_k, q, k, v, out)
-        cfg = configs.fwd_config(padded, q.dtype, options.window_right >= 0, tensors.attn_bias is not None, use_tma)
+        cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0,
+                                 tensors.attn_bias is not None, use_tma)
         tiles = dict(Q=q, K=k, V=v, Out=out)
         if use_tma:
             tiles = dict(Q=_descriptor(q, cfg["BLOCK_M"], padded), K=_descriptor(k, cfg["BLOCK_N"], padded),
-                         V=_descriptor(v, cfg["BLOCK_N"], padded), Out=_descriptor(out, cfg["BLOCK_M"], padded))
+                         V=_descriptor(v, cfg["BLOCK_N"], padded_v), Out=_descriptor(out, cfg["BLOCK_M"], padded_v))
         _launch(
             attn_fwd_kernel, (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
             **tiles, Lse=lse, **_variant_arguments(options, tensors, q, k, shape),
             Sinks=q if tensors.learnable_sink is None else tensors.learnable_sink,
             **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
             **_token_strides("o", out), **_lse_strides(lse),
-            HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded, **cfg,
+            HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded,
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, **cfg,
         )
         return out, lse
 
@@ -280,8 +285,9 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
-    padded = configs.block_d(head_dim)
-    dkdv_cfg, dq_cfg = configs.bwd_configs(padded, q.dtype)
+    head_dim_v = v.shape[-1]
+    padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
+    dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype)
     variant = _variant_arguments(options, tensors, q, k, shape)
     if tensors.is_varlen:  # tokens outside every sequence: zero gradients (the kernels never write them)
         for grad in (dq, dk, dv):
@@ -299,12 +305,14 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
             attn_bwd_preprocess_kernel, (cdiv(seqlen_q, 64), nheads_q, batch),
             Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
             **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
-            seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim, BLOCK_D=padded, BLOCK_M=64,
+            seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=padded_v,
+            BLOCK_M=64,
         )
         shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
                       **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
                       **_token_strides("do", dout), **_lse_strides(lse),
-                      sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=padded)
+                      sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=padded, HEAD_DIM_V=head_dim_v,
+                      BLOCK_DV=padded_v)
         _launch(
             attn_bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch),
             DK=dk, DV=dv, DBias=q if dbias is None else dbias, **_token_strides("dk", dk),
@@ -354,14 +362,15 @@ def _num_sms(device: torch.device) -> int:
     return 1  # the interpreter runs one program at a time
 
 
-def split_plan(batch, seqlen_q, group_size, nheads_k, padded_head_dim, dtype, max_seqlen_k, device, num_splits=0,
+def split_plan(batch, seqlen_q, group_size, nheads_k, head_dim, dtype, max_seqlen_k, device, num_splits=0,
                config=None):
-    """→ (block config, query-row blocks, split count) of a call; num_splits 0 = heuristic.
+    """→ (block config, query-row blocks, split count) of a call; num_splits 0 = heuristic;
+    ``head_dim``: the larger of Q/K's and V's.
 
     The heuristic sees the cache's capacity (max_seqlen_k), not the valid lengths, which
     live on the device: reading them would cost a host sync per decoding step.
     """
-    cfg = dict(configs.decode_config(padded_head_dim, dtype, seqlen_q * group_size), **(config or {}))
+    cfg = dict(configs.decode_config(head_dim, dtype, seqlen_q * group_size), **(config or {}))
     num_m_blocks = cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
     num_key_blocks = max(1, cdiv(max_seqlen_k, cfg["BLOCK_N"]))
     if num_splits == 0:
@@ -372,28 +381,29 @@ def split_plan(batch, seqlen_q, group_size, nheads_k, padded_head_dim, dtype, ma
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
                               config: dict | None = None, learnable_sink=None):
-    """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D] or paged [num_blocks, page_size, Hk, D] with
+    """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv] with
     block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
     [B, Hq] float32; num_splits 0 = heuristic; ``config`` overrides the block shapes (benchmark
-    tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)."""
+    tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32)."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
+    head_dim_v = v_cache.shape[-1]
     nheads_k = k_cache.shape[2]
     group_size = nheads_q // nheads_k
     paged = block_table is not None
     max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     softcap = options.softcap
-    padded = configs.block_d(head_dim)
-    cfg, num_m_blocks, num_splits = split_plan(batch, seqlen_q, group_size, nheads_k, padded, q.dtype,
-                                               max_seqlen_k, q.device, num_splits, config)
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    chunk, padded_v = configs.decode_chunk_d(head_dim), configs.block_d(head_dim_v)
+    cfg, num_m_blocks, num_splits = split_plan(batch, seqlen_q, group_size, nheads_k, max(head_dim, head_dim_v),
+                                               q.dtype, max_seqlen_k, q.device, num_splits, config)
+    out_shape = (batch, seqlen_q, nheads_q, head_dim_v)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     if num_splits == 1:
         # one split: the kernel's partial result is the final one, written in q's dtype
         out_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
-        out_part = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        out_part = torch.empty((num_splits, *out_shape), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
     # tensors a configuration does not use are passed as (unread) stand-ins
     table = block_table if paged else seqlens_k[:, None]
@@ -416,7 +426,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
-            HEAD_DIM=head_dim, BLOCK_D=padded, DOT_PRECISION=configs.dot_precision(q.dtype), **cfg,
+            HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
+            DOT_PRECISION=configs.dot_precision(q.dtype), **cfg,
         )
         if num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
@@ -424,8 +435,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
-    """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1;
-    writes outside the cache are dropped (``decode.kvcache_append_kernel``)."""
+    """Write k [B, Sn, Hk, D], v [B, Sn, Hk, Dv] into the caches in place at positions cache_seqlens[b] +
+    0..Sn-1; writes outside the cache are dropped (``decode.kvcache_append_kernel``)."""
     batch, seqlen_new, nheads_k, head_dim = k.shape
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -441,7 +452,8 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
             **_strides("t", "bn", table.stride()),
             seqlen_new=seqlen_new, page_size=k_cache.shape[1], capacity=capacity, cache_rows=k_cache.shape[0],
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HEAD_DIM=head_dim,
-            BLOCK_D=configs.block_d(head_dim), BLOCK_S=block_s,
+            BLOCK_D=configs.block_d(head_dim), HEAD_DIM_V=v.shape[-1], BLOCK_DV=configs.block_d(v.shape[-1]),
+            BLOCK_S=block_s,
         )
 
 
