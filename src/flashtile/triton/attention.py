@@ -42,6 +42,10 @@ user never pads); V (and O, dO, dV) may have a head dim of its own (``HEAD_DIM_V
 MLA: 192 for Q/K, 128 for V). float32 inputs use IEEE float32 dots. Grids are (blocks, heads,
 batch): batch and heads may each reach CUDA's 65535 on those axes.
 
+Offsets are 32-bit unless a tensor of the call spans more than 2³¹ − 1 elements: then ``WIDE``
+widens every stride but the head dim's to 64 bits at the kernel's start (``scores.widen``), and with
+them every offset; the common path compiles as before.
+
 Each kernel walks its visible blocks in three runs (``scores.key_runs``/``query_runs``):
 the masked near edge, the whole blocks that need no mask, and the masked far edge; the
 inner loops take ``APPLY_MASK`` as a constexpr so the middle run compiles without masks.
@@ -53,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .scores import (dropout_keep, initial_softmax_state, key_runs, masked_scores_log2, normalise, query_runs,
-                     run_bounds, tanh)
+                     run_bounds, tanh, widen)
 
 
 @triton.jit
@@ -190,11 +194,19 @@ def attn_fwd_kernel(
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
     """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers.
     ``HAS_SINK``: ``Sinks`` (nheads_q,) float32 logits join each row's denominator (no value).
     ``HEAD_DIM_V``: the head dim of V and Out (MLA's differs from Q's and K's ``HEAD_DIM``)."""
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
+    stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
+    stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
+    stride_ob, stride_os, stride_oh = widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
+    stride_lb, stride_lh = widen(stride_lb, WIDE), widen(stride_lh, WIDE)
+    stride_bb, stride_bh, stride_bm = widen(stride_bb, WIDE), widen(stride_bh, WIDE), widen(stride_bm, WIDE)
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
     i_bh = i_b * nheads_q + i_hq
@@ -263,7 +275,13 @@ def attn_bwd_preprocess_kernel(
     stride_lb, stride_lh,
     seqlen_q,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_ob, stride_os, stride_oh = widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
+    stride_dob, stride_dos, stride_doh = widen(stride_dob, WIDE), widen(stride_dos, WIDE), widen(stride_doh, WIDE)
+    stride_lb, stride_lh = widen(stride_lb, WIDE), widen(stride_lh, WIDE)
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -356,8 +374,18 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
+    stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
+    stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
+    stride_dob, stride_dos, stride_doh = widen(stride_dob, WIDE), widen(stride_dos, WIDE), widen(stride_doh, WIDE)
+    stride_dkb, stride_dks, stride_dkh = widen(stride_dkb, WIDE), widen(stride_dks, WIDE), widen(stride_dkh, WIDE)
+    stride_dvb, stride_dvs, stride_dvh = widen(stride_dvb, WIDE), widen(stride_dvs, WIDE), widen(stride_dvh, WIDE)
+    stride_lb, stride_lh = widen(stride_lb, WIDE), widen(stride_lh, WIDE)
+    stride_bb, stride_bh, stride_bm = widen(stride_bb, WIDE), widen(stride_bh, WIDE), widen(stride_bm, WIDE)
     i_n, i_hk, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
     if i_n * BLOCK_N >= seqlen_k:
@@ -472,8 +500,17 @@ def attn_bwd_dq_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
+    stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
+    stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
+    stride_dob, stride_dos, stride_doh = widen(stride_dob, WIDE), widen(stride_dos, WIDE), widen(stride_doh, WIDE)
+    stride_dqb, stride_dqs, stride_dqh = widen(stride_dqb, WIDE), widen(stride_dqs, WIDE), widen(stride_dqh, WIDE)
+    stride_lb, stride_lh = widen(stride_lb, WIDE), widen(stride_lh, WIDE)
+    stride_bb, stride_bh, stride_bm = widen(stride_bb, WIDE), widen(stride_bh, WIDE), widen(stride_bm, WIDE)
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
     i_bh = i_b * nheads_q + i_hq

@@ -24,6 +24,10 @@ Conventions: bottom-right causal alignment per sequence; a split that sees no ke
 and log-sum-exp −inf (natural log, float32), which the merge weights 0. A learnable sink (one logit
 per query head in the denominator, no value) is counted by the first split alone.
 
+Offsets are 32-bit unless a tensor spans more than 2³¹ − 1 elements (``WIDE``, as in
+``flashtile.triton.attention``). Q·Kᵀ runs over the head dim in one chunk up to 256 and in 64-wide
+chunks beyond (absorbed MLA: q/k 576); V and Out may have their own head dim (512 there).
+
 Memory safety: whatever the index tensors hold, no load leaves the tensors: each sequence's length
 is clamped into [0, capacity]; a ``CacheBatchIdx`` outside [0, cache_rows) makes the sequence see no
 key; a ``BlockTable`` page id outside [0, cache_rows) (the number of pages) makes that page's keys
@@ -35,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import initial_softmax_state, is_visible, key_range, normalise, scores_log2
+from .scores import initial_softmax_state, is_visible, key_range, normalise, scores_log2, widen
 
 
 @triton.jit
@@ -53,9 +57,17 @@ def kvcache_attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """``BLOCK_D``: Q·Kᵀ runs over the head dim in chunks of BLOCK_D (one chunk, Q held in registers,
     up to 256; absorbed MLA's 576 in 64-wide chunks); ``HEAD_DIM_V``/``BLOCK_DV``: V's and Out's."""
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
+    stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
+    stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
+    stride_op, stride_ob, stride_os, stride_oh = widen(stride_op, WIDE), widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
+    stride_lp, stride_lb, stride_lh, stride_ls = widen(stride_lp, WIDE), widen(stride_lb, WIDE), widen(stride_lh, WIDE), widen(stride_ls, WIDE)
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_split = tl.program_id(2)
@@ -172,7 +184,7 @@ def kvcache_append_kernel(
     stride_tb, stride_tn,
     seqlen_new, page_size, capacity, cache_rows,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i.
 
@@ -180,6 +192,12 @@ def kvcache_append_kernel(
     the cache: position in [0, capacity), cache row (``CacheBatchIdx``) or page (``BlockTable``) in
     [0, cache_rows); any other is dropped, so no index value can write outside the cache or over
     another sequence's slot."""
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
+    stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
+    stride_cb, stride_cs, stride_ch = widen(stride_cb, WIDE), widen(stride_cs, WIDE), widen(stride_ch, WIDE)
+    stride_wb, stride_ws, stride_wh = widen(stride_wb, WIDE), widen(stride_ws, WIDE), widen(stride_wh, WIDE)
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)

@@ -44,7 +44,7 @@ else:  # another Triton's Gluon may not even import these kernels: the Triton ke
     sm90_bwd = sm90_fwd = None
 
 __all__ = ["attention_forward", "attention_backward", "kvcache_append", "kvcache_attention_forward",
-           "merge_states_into", "num_splits_heuristic", "split_plan"]
+           "merge_states_into", "num_splits_heuristic", "split_plan", "wide_offsets"]
 
 LOG2E = 1.4426950408889634  # 1 / ln 2; the kernels work in base 2 (exp2) and repeat it as a literal
 
@@ -93,17 +93,22 @@ def _lse_strides(lse: torch.Tensor) -> dict:
 # Code-path policy
 
 
-def _check_offsets(**tensors) -> None:
-    """The kernels index elements with 32-bit offsets: refuse a tensor that spans more."""
+def wide_offsets(**tensors) -> bool:
+    """Whether a tensor of the call spans more than 2³¹ − 1 elements: the kernels then form their offsets
+    in 64 bits (``WIDE``: every stride but the innermost widened), else in 32 (the common path, unchanged).
+    An innermost axis (the head dim; a bias's key axis) that alone spans more is refused: its offsets
+    stay 32-bit so that the contiguous loads keep their known unit stride."""
+    wide = False
     for name, t in tensors.items():
         if t is None or t.numel() == 0:
             continue
         extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
         if extent > configs.INT32_MAX:
-            raise ValueError(
-                f"{name} of shape {tuple(t.shape)} spans {extent} elements; flashtile's kernels index with "
-                f"32-bit offsets (at most {configs.INT32_MAX}): split the batch or the heads into several calls"
-            )
+            wide = True
+            if (t.shape[-1] - 1) * abs(t.stride(-1)) > configs.INT32_MAX:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} and strides {t.stride()}: its last axis alone "
+                                 f"spans more than {configs.INT32_MAX} elements; make it contiguous")
+    return wide
 
 
 def _descriptor_compatible(*tensors: torch.Tensor) -> bool:
@@ -149,14 +154,14 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
     written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has
     (the same for V), without a learnable sink, with a positive softmax scale (it masks raw scores before scaling them), from
-    ``GLUON_MIN_SEQLEN[head_dim, causal]`` on."""
+    ``GLUON_MIN_SEQLEN[head_dim, causal]`` on, for tensors within 32-bit offsets."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     return (_plain(options, tensors) and tensors.learnable_sink is None and sm90_fwd is not None
             and v.shape[-1] == head_dim
             and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
             and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
-            and _is_sm90(q.device) and _descriptor_compatible(q, k, v))
+            and _is_sm90(q.device) and _descriptor_compatible(q, k, v) and not wide_offsets(q=q, k=k, v=v))
 
 
 def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, q, k, v, out, dout,
@@ -164,8 +169,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
     plain full or causal attention in 16 bits at head dims 64 and 128 (V's too) on an sm_90 GPU with the
     Triton series it is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
-    Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and the
-    padded float32 dQ accumulator must stay within 32-bit offsets."""
+    Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and every
+    tensor, the padded float32 dQ accumulator included, must stay within 32-bit offsets."""
     if not _plain(options, tensors) or sm90_bwd is None or options.deterministic:
         return False
     batch, seqlen_q, nheads_q, head_dim = q.shape
@@ -173,7 +178,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     return (q.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128) and v.shape[-1] == head_dim
             and q.numel() > 0 and k.numel() > 0 and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v, out, dout)
-            and all(t.stride(-1) == 1 for t in (dq, dk, dv)))
+            and all(t.stride(-1) == 1 for t in (dq, dk, dv))
+            and not wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv))
 
 
 def _descriptor(t: torch.Tensor, rows: int, padded_head_dim: int) -> TensorDescriptor:
@@ -243,7 +249,6 @@ def _forward_outputs(q, head_dim_v, batch, nheads_q, seqlen_q, tensors: Attentio
 def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
     """q [B, Nq, Hq, D], k [B, Nk, Hk, D], v [B, Nk, Hk, Dv] (any strides), or packed [total, H, D] with
     ``tensors.cu_seqlens_*`` → (out like q with Dv, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
-    _check_offsets(q=q, k=k, v=v, attn_bias=tensors.attn_bias)
     with launch_device(q):
         if gluon_usable(options, tensors, q, k, v):
             return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal)
@@ -251,6 +256,7 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
         batch, seqlen_q, seqlen_k, nheads_q, _, head_dim = shape
         head_dim_v = v.shape[-1]
         out, lse = _forward_outputs(q, head_dim_v, batch, nheads_q, seqlen_q, tensors)
+        wide = wide_offsets(q=q, k=k, v=v, out=out, attn_bias=tensors.attn_bias)
         padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
         use_tma = tma_usable(tensors, seqlen_q, seqlen_k, q, k, v, out)
         cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0,
@@ -266,7 +272,7 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
             **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
             **_token_strides("o", out), **_lse_strides(lse),
             HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded,
-            HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, **cfg,
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, WIDE=wide, **cfg,
         )
         return out, lse
 
@@ -289,6 +295,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
     dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype)
     variant = _variant_arguments(options, tensors, q, k, shape)
+    wide = wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, attn_bias=tensors.attn_bias)
     if tensors.is_varlen:  # tokens outside every sequence: zero gradients (the kernels never write them)
         for grad in (dq, dk, dv):
             grad.zero_()
@@ -306,13 +313,13 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
             Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
             **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
             seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=padded_v,
-            BLOCK_M=64,
+            BLOCK_M=64, WIDE=wide,
         )
         shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
                       **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
                       **_token_strides("do", dout), **_lse_strides(lse),
                       sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=padded, HEAD_DIM_V=head_dim_v,
-                      BLOCK_DV=padded_v)
+                      BLOCK_DV=padded_v, WIDE=wide)
         _launch(
             attn_bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch),
             DK=dk, DV=dv, DBias=q if dbias is None else dbias, **_token_strides("dk", dk),
@@ -405,6 +412,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     else:
         out_part = torch.empty((num_splits, *out_shape), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    wide = wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out_part, lse=lse_part)
     # tensors a configuration does not use are passed as (unread) stand-ins
     table = block_table if paged else seqlens_k[:, None]
     slopes = seqlens_k[:, None] if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)
@@ -427,7 +435,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
             HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
-            DOT_PRECISION=configs.dot_precision(q.dtype), **cfg,
+            DOT_PRECISION=configs.dot_precision(q.dtype), WIDE=wide, **cfg,
         )
         if num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
@@ -453,7 +461,7 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
             seqlen_new=seqlen_new, page_size=k_cache.shape[1], capacity=capacity, cache_rows=k_cache.shape[0],
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HEAD_DIM=head_dim,
             BLOCK_D=configs.block_d(head_dim), HEAD_DIM_V=v.shape[-1], BLOCK_DV=configs.block_d(v.shape[-1]),
-            BLOCK_S=block_s,
+            BLOCK_S=block_s, WIDE=wide_offsets(k=k, v=v, k_cache=k_cache, v_cache=v_cache),
         )
 
 
@@ -469,6 +477,6 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
             merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
             **_strides("o", "pnshd", outs.stride()), **_strides("l", "pnhs", lses.stride()),
             **_strides("m", "nshd", out.stride()), **_strides("L", "nhs", lse.stride()),
-            num_parts=outs.shape[0], seqlen=seqlen,
-            HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_S=block_s,
+            num_parts=outs.shape[0], seqlen=seqlen, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
+            BLOCK_S=block_s, WIDE=wide_offsets(outs=outs, lses=lses, out=out, lse=lse),
         )

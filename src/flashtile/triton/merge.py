@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import normalise
+from .scores import normalise, widen
 
 
 @triton.jit
@@ -25,8 +25,14 @@ def merge_states_kernel(
     stride_mn, stride_ms, stride_mh, stride_md,
     stride_Ln, stride_Lh, stride_Ls,
     num_parts, seqlen,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr,
 ):
+    # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
+    # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
+    stride_op, stride_on, stride_os, stride_oh = widen(stride_op, WIDE), widen(stride_on, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
+    stride_lp, stride_ln, stride_lh, stride_ls = widen(stride_lp, WIDE), widen(stride_ln, WIDE), widen(stride_lh, WIDE), widen(stride_ls, WIDE)
+    stride_mn, stride_ms, stride_mh = widen(stride_mn, WIDE), widen(stride_ms, WIDE), widen(stride_mh, WIDE)
+    stride_Ln, stride_Lh, stride_Ls = widen(stride_Ln, WIDE), widen(stride_Lh, WIDE), widen(stride_Ls, WIDE)
     # one program per (block of seqlen rows, head h, leading index n)
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)

@@ -198,6 +198,17 @@ def run_bounds(RUN: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def widen(stride, WIDE: tl.constexpr):
+    """``stride`` as a 64-bit integer when ``WIDE`` (a tensor of the call spans more than 2³¹ elements),
+    so that every offset formed with it is 64-bit; else as it is (the common path compiles unchanged)."""
+    if WIDE:
+        wide = tl.cast(stride, tl.int64)
+    else:
+        wide = stride
+    return wide
+
+
+@triton.jit
 def initial_softmax_state(Sinks, head, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr):
     """(m, ℓ) [BLOCK_M] of the online softmax before the first key: −inf and 0, or with a learnable
     sink (a logit that joins the denominator and has no value) its base-2 logit and 1, as if it were
