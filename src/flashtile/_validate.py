@@ -105,22 +105,31 @@ def _check_cu_values(name: str, cu: torch.Tensor, total: int, tensor: str, max_n
         raise ValueError(f"{max_name}={max_seqlen} is less than the longest sequence of {name} ({max(lengths)})")
 
 
+def check_cu_tensor(name: str, cu, device) -> None:
+    """A 1-D int32 (batch + 1,) tensor of cumulative lengths on ``device``."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise TypeError(f"{name} must be a 1-D int32 tensor (batch + 1,), got {got}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+
+
+def _check_max_seqlen(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
+
+
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device, total_q: int,
                      total_k: int) -> None:
     """cu_seqlens: 1-D int32 (batch + 1,) on ``device``; their values (see :func:`checks_contents`):
     from 0, non-decreasing, within the total_q / total_k tokens, no sequence longer than max_seqlen."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-            got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise TypeError(f"{name} must be a 1-D int32 tensor (batch + 1,), got {got}")
-        if cu.device != device:
-            raise ValueError(f"{name} must be on {device}, got {cu.device}")
+        check_cu_tensor(name, cu, device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
                          f"{tuple(cu_seqlens_k.shape)} must have the same length (batch + 1)")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or value < 0:
-            raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
+        _check_max_seqlen(name, value)
     if checks_contents(cu_seqlens_q):
         _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "q", "max_seqlen_q", max_seqlen_q)
         _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "k", "max_seqlen_k", max_seqlen_k)
@@ -253,21 +262,32 @@ def _check_int32(name, t, shape) -> None:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
-def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table) -> None:
-    """The tensors of ``flash_attn_with_kvcache``; an int ``cache_seqlens`` must fit the cache."""
+def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                         cu_seqlens_q=None, max_seqlen_q=None) -> int:
+    """The tensors of ``flash_attn_with_kvcache`` (and of the paged varlen call) → the batch size; an
+    int ``cache_seqlens`` must fit the cache. With ``cu_seqlens_q`` q and the new k, v are packed
+    (total_q, nheads, headdim), sequence b's at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])."""
+    packed = cu_seqlens_q is not None
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (or both None)")
     if k is not None:
         tensors += [("k", k), ("v", v)]
     for name, t in tensors:
-        check_tensors((name,), (t,), 4)
+        check_tensors((name,), (t,), 3 if packed and name in ("q", "k", "v") else 4)
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-    batch, seqlen_q, nheads_q, head_dim = q.shape
+    if packed:
+        check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        if checks_contents(cu_seqlens_q):
+            _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q)
+        (total_q, nheads_q, head_dim), batch = q.shape, cu_seqlens_q.numel() - 1
+    else:
+        batch, seqlen_q, nheads_q, head_dim = q.shape
     if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got {shapes}")
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
@@ -282,10 +302,11 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                          f"grid's second axis: split the batch into several calls ({shapes})")
     if k is not None:
         for name, t, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
-            expected = (batch, k.shape[1], nheads_k, dim)
+            dims = "headdim_v" if t is v else "headdim"
+            expected, layout = (((total_q, nheads_k, dim), f"(total_q, nheads_k, {dims}), packed like q") if packed
+                                else ((batch, k.shape[1], nheads_k, dim), f"(batch, seqlen_new, nheads_k, {dims})"))
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must be (batch, seqlen_new, nheads_k, headdim{'_v' * (t is v)}) = "
-                                 f"{expected}, got {tuple(t.shape)} ({shapes})")
+                raise ValueError(f"{name} must be {layout} = {expected}, got {tuple(t.shape)} ({shapes})")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when k and v are appended to the cache")
     if isinstance(cache_seqlens, torch.Tensor):
@@ -310,26 +331,33 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    seqlen_new = k.shape[1] if k is not None else 0
+    # each sequence's new keys: packed, from cu_seqlens_q where its values are free to read, else at most
+    # max_seqlen_q
+    new_lengths = [k.shape[1] if k is not None else 0] * batch
+    if packed and k is not None:
+        bounds = cu_seqlens_q.tolist() if checks_contents(cu_seqlens_q) else None
+        new_lengths = ([end - start for start, end in zip(bounds, bounds[1:])] if bounds is not None
+                       else [max_seqlen_q] * batch)
     if isinstance(cache_seqlens, int):
-        needed = cache_seqlens + seqlen_new
+        needed = cache_seqlens + max(new_lengths, default=0)
         if not 0 <= cache_seqlens or needed > capacity:
             raise ValueError(f"cache_seqlens={cache_seqlens} (+ {needed - cache_seqlens} new) does not fit "
                              f"a cache of {capacity} positions")
-    _check_kvcache_indices(k_cache, cache_seqlens, seqlen_new, capacity, cache_batch_idx, block_table)
+    _check_kvcache_indices(k_cache, cache_seqlens, new_lengths, capacity, cache_batch_idx, block_table)
+    return batch
 
 
-def _check_kvcache_indices(k_cache, cache_seqlens, seqlen_new: int, capacity: int, cache_batch_idx,
+def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths: list[int], capacity: int, cache_batch_idx,
                            block_table) -> None:
     """The values of the index tensors, where :func:`checks_contents` reads them: every sequence
-    (with its new keys) fits the cache, cache rows and the pages it uses exist."""
+    (with its ``new_lengths[b]`` new keys) fits the cache, cache rows and the pages it uses exist."""
     cache_rows, page_size = k_cache.shape[:2]
     if isinstance(cache_seqlens, torch.Tensor) and checks_contents(cache_seqlens):
         lengths = cache_seqlens.tolist()
-        bad = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity - seqlen_new]
+        bad = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity - new_lengths[b]]
         if bad:
             b, n = bad[0]
-            raise ValueError(f"cache_seqlens[{b}]={n} (+ {seqlen_new} new) does not fit a cache of {capacity} "
+            raise ValueError(f"cache_seqlens[{b}]={n} (+ {new_lengths[b]} new) does not fit a cache of {capacity} "
                              f"positions ({len(bad)} sequences out of range)")
     if cache_batch_idx is not None and checks_contents(cache_batch_idx):
         rows = cache_batch_idx.tolist()
@@ -339,9 +367,9 @@ def _check_kvcache_indices(k_cache, cache_seqlens, seqlen_new: int, capacity: in
                              f"(0..{cache_rows - 1})")
     if block_table is not None and checks_contents(block_table):
         if isinstance(cache_seqlens, torch.Tensor):
-            lengths = [n + seqlen_new for n in cache_seqlens.tolist()]
+            lengths = [n + new for n, new in zip(cache_seqlens.tolist(), new_lengths)]
         else:
-            lengths = [capacity if cache_seqlens is None else cache_seqlens + seqlen_new] * block_table.shape[0]
+            lengths = [capacity if cache_seqlens is None else cache_seqlens + new for new in new_lengths]
         for b, (row, length) in enumerate(zip(block_table.tolist(), lengths)):
             used = row[:-(-length // page_size)]  # the pages holding the sequence's keys
             bad = [(j, page) for j, page in enumerate(used) if not 0 <= page < cache_rows]

@@ -62,6 +62,8 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     learnable_sink: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
 ):
     """Attention of q against a KV cache, appending new keys/values first; flash-attn 2's semantics.
 
@@ -96,14 +98,23 @@ def flash_attn_with_kvcache(
         learnable_sink: optional (nheads,) float32: one logit per query head that joins every
             row's softmax denominator and adds no value (gpt-oss's attention sinks; FA4's name),
             not scaled by softmax_scale; counted once whatever num_splits is.
+        cu_seqlens_q, max_seqlen_q: optional (batch + 1,) int32 and int (FA3's names): q is packed
+            (total_q, nheads, headdim), sequence b's queries at rows [cu_seqlens_q[b],
+            cu_seqlens_q[b + 1]), as are the new k, v (total_q, nheads_k, headdim): chunked
+            prefill and speculative decoding of a mixed batch in one call. Causal aligns each
+            sequence's queries to the end of its keys (its new ones included).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_softmax_lse the
         log-sum-exp (batch, nheads, seqlen_q), float32, natural log, the sink included (−inf for a
-        row that sees no key, or the sink's logit with one; the output is 0 there).
+        row that sees no key, or the sink's logit with one; the output is 0 there). With
+        cu_seqlens_q: out (total_q, nheads, headdim_v) and lse (nheads, total_q); tokens outside
+        every sequence get 0 and −inf.
     """
-    _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-    batch, seqlen_q, nheads_q, head_dim = q.shape
+    batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                           cu_seqlens_q, max_seqlen_q)
+    packed = cu_seqlens_q is not None
+    nheads_q, head_dim = q.shape[-2:]
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
@@ -116,13 +127,23 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     seqlens_k = cache_seqlens
     if k is not None:
-        ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-        seqlens_k = cache_seqlens + k.shape[1]
+        ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                           cu_seqlens_q if packed else None, max_seqlen_q or 0)
+        seqlens_k = cache_seqlens + (_packed_lengths(cu_seqlens_q, k.shape[0]) if packed else k.shape[1])
 
-    if batch * seqlen_q == 0:
+    if q.numel() == 0 or batch == 0:
         out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.full((batch, q.shape[2], seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
+        lse_shape = (nheads_q, q.shape[0]) if packed else (batch, nheads_q, q.shape[1])
+        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
-                                         alibi_slopes, num_splits, learnable_sink)
+                                         alibi_slopes, num_splits, learnable_sink, cu_seqlens_q if packed else None,
+                                         max_seqlen_q or 0)
     return (out, lse) if return_softmax_lse else out
+
+
+def _packed_lengths(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each sequence's row count in a packed axis of ``total`` rows, its bounds clamped into the axis as the
+    kernels clamp them (on the device: no sync)."""
+    start = cu_seqlens[:-1].clamp(0, total)
+    return (torch.maximum(cu_seqlens[1:].clamp(max=total), start) - start).to(torch.int32)

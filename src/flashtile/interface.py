@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate, reference
+from . import _validate, ops, reference
 from ._options import AttentionOptions
 from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, FlashAttnFunction, unpack
 
@@ -260,18 +260,27 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     learnable_sink: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ):
-    """Attention over a batch of sequences packed without padding, as flash-attn 2's.
+    """Attention over a batch of sequences packed without padding, as flash-attn 2's; with a paged
+    KV cache (``block_table``), the call vLLM makes for every step of a mixed batch.
 
     Arguments:
         q: (total_q, nheads, headdim), the sequences' queries one after another.
-        k, v: (total_k, nheads_k, headdim) and (total_k, nheads_k, headdim_v).
+        k, v: (total_k, nheads_k, headdim) and (total_k, nheads_k, headdim_v); with block_table,
+            paged caches (num_pages, page_size, nheads_k, headdim or headdim_v), any page size.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), the cumulative sequence
             lengths: sequence b is tokens [cu[b], cu[b + 1]). Each sequence attends only
             within itself; causal and windows are aligned per sequence (bottom-right).
-            Lengths may be 0.
+            Lengths may be 0. With block_table, cu_seqlens_k gives the keys' counts (or is
+            None when seqused_k does).
         max_seqlen_q, max_seqlen_k: ints, the longest sequence lengths (they size the
             grid; no host sync reads cu_seqlens).
+        block_table: optional (batch, max_pages) int32: sequence b's keys are the first
+            seqused_k[b] slots of its pages, in order (a chunk of new queries sees the whole
+            cached prefix under causal). Inference only: no backward, no dropout.
+        seqused_k: optional (batch,) int32, with block_table: the keys each sequence uses.
         {options}
 
     Returns:
@@ -280,6 +289,13 @@ def flash_attn_varlen_func(
         (batch, nheads, max_seqlen_q, max_seqlen_k): each sequence's probabilities, dropped entries
         negated, 0 outside the sequence (for testing; O(N²) memory), else None.
     """
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table,
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, learnable_sink=learnable_sink,
+                             return_attn_probs=return_attn_probs)
+    if seqused_k is not None:
+        raise NotImplementedError("seqused_k is supported with block_table (a paged KV cache) only")
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0],
                                 k.shape[0])
@@ -288,6 +304,35 @@ def flash_attn_varlen_func(
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    deterministic=deterministic, learnable_sink=learnable_sink,
                    return_attn_probs=return_attn_probs)
+
+
+def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table, *,
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
+                  return_attn_probs):
+    """flash_attn_varlen_func over a paged cache: the KV-cache kernel with packed queries (forward only)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError("flash_attn_varlen_func with block_table (a paged KV cache) has no backward: "
+                                  "call it under torch.no_grad() or torch.inference_mode()")
+    if _validate.check_dropout(dropout_p) > 0:
+        raise NotImplementedError("dropout is not supported with block_table (a paged KV cache is for inference)")
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("with block_table, give seqused_k or cu_seqlens_k: the keys each sequence uses")
+        _validate.check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
+        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # checked as seqused_k below
+    batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, None, None, seqused_k, None, block_table,
+                                           cu_seqlens_q, max_seqlen_q)
+    options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap)
+    alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
+    if q.numel() == 0 or batch == 0:
+        out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table, options, alibi_slopes,
+                                         learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+                                         max_seqlen_q=max_seqlen_q)
+    return (out, lse, None) if return_attn_probs else out
 
 
 @_with_options_doc

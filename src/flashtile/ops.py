@@ -264,26 +264,34 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
 # KV-cache forward and merging, by device
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
-    """Write k, v [B, Sn, Hk, D] into the caches in place at cache_seqlens[b] + 0..Sn-1; a write outside
-    the cache is dropped (the Triton kernel, or the reference's indexing on the CPU path)."""
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
+                   cu_seqlens_new=None, max_seqlen_new: int = 0) -> None:
+    """Write k, v [B, Sn, Hk, D] (or packed [total_new, Hk, D] with ``cu_seqlens_new``) into the caches
+    in place at cache_seqlens[b] + 0..Sn-1; a write outside the cache is dropped (the Triton kernel,
+    or the reference's indexing on the CPU path)."""
     if uses_triton(k):
-        launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
+                              max_seqlen_new)
     else:
-        reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                           cu_seqlens_new)
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
-                      alibi_slopes=None, num_splits: int = 0, learnable_sink=None):
+                      alibi_slopes=None, num_splits: int = 0, learnable_sink=None, cu_seqlens_q=None,
+                      max_seqlen_q: int = 0):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
-    → (out in q's dtype, lse [B, Hq, Sq] float32)."""
+    → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
+    and → (out [total_q, Hq, Dv], lse [Hq, total_q])."""
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                                options, alibi_slopes, num_splits, learnable_sink=learnable_sink)
+                                                options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
+                                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     out, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
         options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
+        cu_seqlens_q=cu_seqlens_q,
     )
     return out.to(q.dtype), lse.float()
 

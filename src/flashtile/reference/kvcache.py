@@ -35,7 +35,7 @@ def _sequence_kv(k_cache, v_cache, b: int, seqlen: int, cache_batch_idx, block_t
 
 def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None, compute_dtype=None, learnable_sink=None):
+                                alibi_slopes=None, compute_dtype=None, learnable_sink=None, cu_seqlens_q=None):
     """Standard attention of each sequence over its gathered valid prefix (the specification).
 
     q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] (rows chosen by cache_batch_idx [B]) or
@@ -47,8 +47,16 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded);
     learnable_sink (Hq,) joins every row's denominator once. Computes in ``compute_dtype`` (default
     q's dtype); returns (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in ``compute_dtype``.
+
+    With ``cu_seqlens_q`` (int32 [B + 1]) q is packed (total_q, Hq, D), sequence b's queries at rows
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) clamped into the token axis, and the result is
+    (out (total_q, Hq, Dv), lse (Hq, total_q)), 0 and −inf for tokens outside every sequence.
     """
     compute_dtype = compute_dtype or q.dtype
+    if cu_seqlens_q is not None:
+        return _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q,
+                               compute_dtype, dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                                   softcap=softcap, learnable_sink=learnable_sink), alibi_slopes)
     batch, _, nheads_q, _ = q.shape
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     outs, lses = [], []
@@ -66,12 +74,51 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     return torch.stack(outs), torch.stack(lses)
 
 
-def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
-    """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1.
+def _sequence_rows(cu_seqlens: torch.Tensor, total: int):
+    """(b, rows of sequence b) of a packed axis, each clamped into [0, total) as the kernels clamp it."""
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        start = min(max(bounds[b], 0), total)
+        yield b, slice(start, min(max(bounds[b + 1], start), total))
+
+
+def _one(t, b: int, default):
+    """Row b of a per-sequence index tensor as a [1] tensor; ``default`` where there is none."""
+    return default if t is None else t[b:b + 1]
+
+
+def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q, compute_dtype,
+                    options, alibi_slopes):
+    total_q, nheads_q, _ = q.shape
+    batch = len(seqlens_k)
+    out = torch.zeros((total_q, nheads_q, v_cache.shape[-1]), dtype=compute_dtype, device=q.device)
+    lse = torch.full((nheads_q, total_q), float("-inf"), dtype=compute_dtype, device=q.device)
+    for b, rows in _sequence_rows(cu_seqlens_q, total_q):
+        # the non-paged cache's row b, named as such for a call of one sequence
+        row_b = torch.tensor([b], dtype=torch.int32, device=q.device) if block_table is None else None
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
+        out_b, lse_b = kvcache_attention_reference(
+            q[rows][None], k_cache, v_cache, seqlens_k[b:b + 1], _one(cache_batch_idx, b, row_b),
+            _one(block_table, b, None), alibi_slopes=slopes, compute_dtype=compute_dtype, **options)
+        out[rows], lse[:, rows] = out_b[0], lse_b[0]
+    return out, lse
+
+
+def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
+                             cu_seqlens_new=None) -> None:
+    """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1; with
+    ``cu_seqlens_new`` k, v are packed (total_new, Hk, D), sequence b's rows as in
+    :func:`kvcache_attention_reference`'s packed queries.
 
     A write lands only where it is inside the cache, as the kernel's (``triton.decode``): position in
     [0, capacity), cache row or page id in [0, k_cache.shape[0]); any other is dropped. (Boolean
     indexing reads the mask on the host: this is the CPU path.)"""
+    if cu_seqlens_new is not None:
+        for b, rows in _sequence_rows(cu_seqlens_new, k.shape[0]):
+            row_b = torch.tensor([b], dtype=torch.int32, device=k.device) if block_table is None else None
+            kvcache_append_reference(k_cache, v_cache, k[rows][None], v[rows][None], cache_seqlens[b:b + 1],
+                                     _one(cache_batch_idx, b, row_b), _one(block_table, b, None))
+        return
     batch, seqlen_new = k.shape[:2]
     cache_rows, page_size = k_cache.shape[:2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size

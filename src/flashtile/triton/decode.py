@@ -44,7 +44,7 @@ from .scores import initial_softmax_state, is_visible, key_range, normalise, sco
 
 @triton.jit
 def kvcache_attn_fwd_kernel(
-    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks,
+    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -53,26 +53,36 @@ def kvcache_attn_fwd_kernel(
     stride_tb, stride_tn, stride_ab, stride_ah,
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WIDE: tl.constexpr,
 ):
     """``BLOCK_D``: Q·Kᵀ runs over the head dim in chunks of BLOCK_D (one chunk, Q held in registers,
-    up to 256; absorbed MLA's 576 in 64-wide chunks); ``HEAD_DIM_V``/``BLOCK_DV``: V's and Out's."""
+    up to 256; absorbed MLA's 576 in 64-wide chunks); ``HEAD_DIM_V``/``BLOCK_DV``: V's and Out's.
+    ``IS_VARLEN_Q``: Q, Out and Lse are packed over the sequences (total_q rows, batch strides 0;
+    ``seqlen_q`` is then total_q), sequence b's queries at rows ``CuSeqlensQ[b]`` on."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
     stride_kb, stride_ks, stride_kh = widen(stride_kb, WIDE), widen(stride_ks, WIDE), widen(stride_kh, WIDE)
     stride_vb, stride_vs, stride_vh = widen(stride_vb, WIDE), widen(stride_vs, WIDE), widen(stride_vh, WIDE)
-    stride_op, stride_ob, stride_os, stride_oh = widen(stride_op, WIDE), widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
-    stride_lp, stride_lb, stride_lh, stride_ls = widen(stride_lp, WIDE), widen(stride_lb, WIDE), widen(stride_lh, WIDE), widen(stride_ls, WIDE)
+    stride_op, stride_ob = widen(stride_op, WIDE), widen(stride_ob, WIDE)
+    stride_os, stride_oh = widen(stride_os, WIDE), widen(stride_oh, WIDE)
+    stride_lp, stride_lb = widen(stride_lp, WIDE), widen(stride_lb, WIDE)
+    stride_lh, stride_ls = widen(stride_lh, WIDE), widen(stride_ls, WIDE)
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_split = tl.program_id(2)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
+    q_start = 0
+    if IS_VARLEN_Q:  # the sequence's queries, clamped into the token axis as in the packed kernels
+        q_start = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + i_b), 0), seqlen_q)
+        seqlen_q = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + i_b + 1), q_start), seqlen_q) - q_start
+        if i_m * BLOCK_M >= seqlen_q * group_size:
+            return  # a sequence with fewer queries than the longest
 
     # row r of the block is query position r // group_size, query head i_hk·group_size + r % group_size
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,7 +95,7 @@ def kvcache_attn_fwd_kernel(
     m_d = o_d < HEAD_DIM
     m_dv = o_dv < HEAD_DIM_V
 
-    q_rows = Q + i_b.to(tl.int64) * stride_qb + o_q[:, None] * stride_qs + o_hq[:, None] * stride_qh
+    q_rows = Q + i_b.to(tl.int64) * stride_qb + (q_start + o_q[:, None]) * stride_qs + o_hq[:, None] * stride_qh
     b_q = tl.load(q_rows + o_d[None, :] * stride_qd, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
@@ -168,25 +178,28 @@ def kvcache_attn_fwd_kernel(
     # a split that saw no key writes output 0 and lse -inf: the merge gives it weight 0
     out, lse = normalise(acc, l_i, m_i)
     out_base = Out + i_split * stride_op + i_b.to(tl.int64) * stride_ob
-    p_o = out_base + o_q[:, None] * stride_os + o_hq[:, None] * stride_oh + o_dv[None, :] * stride_od
+    p_o = out_base + (q_start + o_q[:, None]) * stride_os + o_hq[:, None] * stride_oh + o_dv[None, :] * stride_od
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
     lse_base = Lse + i_split * stride_lp + i_b.to(tl.int64) * stride_lb
-    tl.store(lse_base + o_hq * stride_lh + o_q * stride_ls, lse, mask=m_r)
+    tl.store(lse_base + o_hq * stride_lh + (q_start + o_q) * stride_ls, lse, mask=m_r)
 
 
 @triton.jit
 def kvcache_append_kernel(
-    K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable,
+    K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable, CuSeqlensNew,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_wb, stride_ws, stride_wh, stride_wd,
     stride_tb, stride_tn,
     seqlen_new, page_size, capacity, cache_rows,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i.
+    """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i; with
+    ``IS_VARLEN`` k, v are packed [total_new, Hk, D] (batch strides 0; ``seqlen_new`` is total_new),
+    sequence b's at rows ``CuSeqlensNew[b]`` on.
 
     One program per (block of new rows, KV head, sequence). A write lands only where it is inside
     the cache: position in [0, capacity), cache row (``CacheBatchIdx``) or page (``BlockTable``) in
@@ -201,6 +214,10 @@ def kvcache_append_kernel(
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
+    new_start = 0
+    if IS_VARLEN:  # the sequence's new rows, clamped into the token axis
+        new_start = tl.minimum(tl.maximum(tl.load(CuSeqlensNew + i_b), 0), seqlen_new)
+        seqlen_new = tl.minimum(tl.maximum(tl.load(CuSeqlensNew + i_b + 1), new_start), seqlen_new) - new_start
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -225,9 +242,10 @@ def kvcache_append_kernel(
             row = tl.where((row >= 0) & (row < cache_rows), row, 0)
         k_rows = row * stride_cb + positions * stride_cs
         v_rows = row * stride_wb + positions * stride_ws
-    b_k = tl.load(K + i_b * stride_kb + i_h * stride_kh + o_s[:, None] * stride_ks + o_d[None, :] * stride_kd,
+    rows = new_start + o_s
+    b_k = tl.load(K + i_b * stride_kb + i_h * stride_kh + rows[:, None] * stride_ks + o_d[None, :] * stride_kd,
                   mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + o_s[:, None] * stride_vs + o_dv[None, :] * stride_vd,
+    b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + rows[:, None] * stride_vs + o_dv[None, :] * stride_vd,
                   mask=m_s[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_S, BLOCK_DV]
     tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k,
              mask=valid[:, None] & m_d[None, :])

@@ -385,15 +385,32 @@ def split_plan(batch, seqlen_q, group_size, nheads_k, head_dim, dtype, max_seqle
     return cfg, num_m_blocks, min(num_splits, num_key_blocks)
 
 
+def _packed_rows(part: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    """A partial result's strides; packed, the sequences share its one batch row (batch stride 0)."""
+    strides = part.stride()
+    return (strides[0], 0, *strides[2:]) if varlen else strides
+
+
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
-                              config: dict | None = None, learnable_sink=None):
-    """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv] with
-    block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
+                              config: dict | None = None, learnable_sink=None, cu_seqlens_q=None,
+                              max_seqlen_q: int = 0):
+    """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv]
+    with block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
     [B, Hq] float32; num_splits 0 = heuristic; ``config`` overrides the block shapes (benchmark
-    tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32)."""
-    batch, seqlen_q, nheads_q, head_dim = q.shape
+    tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32).
+    With ``cu_seqlens_q`` (int32 [B + 1]), q is packed [total_q, Hq, D], the longest sequence has
+    ``max_seqlen_q`` queries, and → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every
+    sequence get 0 and −inf."""
+    varlen = cu_seqlens_q is not None
+    if varlen:  # one "batch row" of total_q tokens, each sequence at its own rows
+        total_q, nheads_q, head_dim = q.shape
+        batch, seqlen_q = seqlens_k.shape[0], max_seqlen_q
+        lead, rows = (1, total_q), total_q
+    else:
+        batch, seqlen_q, nheads_q, head_dim = q.shape
+        lead, rows = (batch, seqlen_q), seqlen_q
     head_dim_v = v_cache.shape[-1]
     nheads_k = k_cache.shape[2]
     group_size = nheads_q // nheads_k
@@ -403,15 +420,20 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     chunk, padded_v = configs.decode_chunk_d(head_dim), configs.block_d(head_dim_v)
     cfg, num_m_blocks, num_splits = split_plan(batch, seqlen_q, group_size, nheads_k, max(head_dim, head_dim_v),
                                                q.dtype, max_seqlen_k, q.device, num_splits, config)
-    out_shape = (batch, seqlen_q, nheads_q, head_dim_v)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    # packed queries: tokens that no sequence covers are never written, so they start at 0 and -inf
+    allocate = functools.partial(torch.zeros if varlen else torch.empty, device=q.device)
+    out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype)  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
+    lse = allocate((lead[0], nheads_q, rows), dtype=torch.float32)  # [B, Hq, Sq] or [1, Hq, total_q]
+    if varlen:
+        lse.fill_(float("-inf"))
     if num_splits == 1:
         # one split: the kernel's partial result is the final one, written in q's dtype
         out_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
-        out_part = torch.empty((num_splits, *out_shape), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        out_part = allocate((num_splits, *out.shape), dtype=torch.float32)
+        lse_part = allocate((num_splits, *lse.shape), dtype=torch.float32)
+        if varlen:
+            lse_part.fill_(float("-inf"))
     wide = wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out_part, lse=lse_part)
     # tensors a configuration does not use are passed as (unread) stand-ins
     table = block_table if paged else seqlens_k[:, None]
@@ -422,16 +444,17 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             Q=q, K=k_cache, V=v_cache, Out=out_part, Lse=lse_part, SeqlensK=seqlens_k,
             CacheBatchIdx=seqlens_k if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
             AlibiSlopes=slopes, Sinks=slopes if learnable_sink is None else learnable_sink,
-            **_strides("q", "bshd", q.stride()), **_strides("k", "bshd", k_cache.stride()),
-            **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", out_part.stride()),
-            **_strides("l", "pbhs", lse_part.stride()), **_strides("t", "bn", table.stride()),
+            CuSeqlensQ=cu_seqlens_q if varlen else seqlens_k,
+            **_token_strides("q", q), **_strides("k", "bshd", k_cache.stride()),
+            **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", _packed_rows(out_part, varlen)),
+            **_strides("l", "pbhs", _packed_rows(lse_part, varlen)), **_strides("t", "bn", table.stride()),
             **_strides("a", "bh", slopes.stride()),
-            nheads_k=nheads_k, group_size=group_size, seqlen_q=seqlen_q, num_splits=num_splits,
+            nheads_k=nheads_k, group_size=group_size, seqlen_q=rows, num_splits=num_splits,
             page_size=k_cache.shape[1], capacity=max_seqlen_k, cache_rows=k_cache.shape[0],
             qk_scale=options.softmax_scale * LOG2E,
             softcap_scale=options.softmax_scale / softcap if softcap > 0 else 0.0, softcap_log2=softcap * LOG2E,
             window_left=options.window_left, window_right=options.window_right,
-            IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+            IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN_Q=varlen,
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
             HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
@@ -439,13 +462,20 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         )
         if num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
-    return out, lse
+    return (out[0], lse[0]) if varlen else (out, lse)
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
+                   cu_seqlens_new=None, max_seqlen_new: int = 0) -> None:
     """Write k [B, Sn, Hk, D], v [B, Sn, Hk, Dv] into the caches in place at positions cache_seqlens[b] +
-    0..Sn-1; writes outside the cache are dropped (``decode.kvcache_append_kernel``)."""
-    batch, seqlen_new, nheads_k, head_dim = k.shape
+    0..Sn-1; writes outside the cache are dropped (``decode.kvcache_append_kernel``). With
+    ``cu_seqlens_new`` (int32 [B + 1]) k, v are packed [total_new, Hk, D], the longest sequence
+    appending ``max_seqlen_new``."""
+    varlen = cu_seqlens_new is not None
+    if varlen:
+        (_, nheads_k, head_dim), batch, seqlen_new = k.shape, cache_seqlens.shape[0], max_seqlen_new
+    else:
+        batch, seqlen_new, nheads_k, head_dim = k.shape
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     table = block_table if paged else cache_seqlens[:, None]  # an unread stand-in when not paged
@@ -455,11 +485,13 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
             kvcache_append_kernel, (cdiv(seqlen_new, block_s), nheads_k, batch),
             K=k, V=v, KCache=k_cache, VCache=v_cache, CacheSeqlens=cache_seqlens,
             CacheBatchIdx=cache_seqlens if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
-            **_strides("k", "bshd", k.stride()), **_strides("v", "bshd", v.stride()),
+            CuSeqlensNew=cu_seqlens_new if varlen else cache_seqlens,
+            **_token_strides("k", k), **_token_strides("v", v),
             **_strides("c", "bshd", k_cache.stride()), **_strides("w", "bshd", v_cache.stride()),
             **_strides("t", "bn", table.stride()),
-            seqlen_new=seqlen_new, page_size=k_cache.shape[1], capacity=capacity, cache_rows=k_cache.shape[0],
-            IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, HEAD_DIM=head_dim,
+            seqlen_new=k.shape[0] if varlen else seqlen_new, page_size=k_cache.shape[1], capacity=capacity,
+            cache_rows=k_cache.shape[0], IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
+            IS_VARLEN=varlen, HEAD_DIM=head_dim,
             BLOCK_D=configs.block_d(head_dim), HEAD_DIM_V=v.shape[-1], BLOCK_DV=configs.block_d(v.shape[-1]),
             BLOCK_S=block_s, WIDE=wide_offsets(k=k, v=v, k_cache=k_cache, v_cache=v_cache),
         )

@@ -1,0 +1,182 @@
+"""The call shapes inference engines use: paged varlen prefill (vLLM's flash_attn_varlen_func with
+block_table and seqused_k) and varlen queries against a KV cache (SGLang's flash_attn_with_kvcache
+with cu_seqlens_q), on mixed batches: decode rows of one query beside prefill chunks.
+
+The specification is ``kvcache_attention_reference`` per sequence: sequence b's queries attend to
+its first seqused_k[b] cache slots (after any append), causal aligned bottom-right per sequence, so
+a chunk of new queries sees the whole cached prefix. Judged against float64 by flash-attn's rule.
+
+Grids are small because the interpreter runs each program in numpy: ~30 s on 2 CPU cores.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, assert_accurate
+
+import flashtile
+from flashtile.reference import kvcache_attention_reference
+
+SEQLENS_Q = [1, 37, 1, 5, 0, 3]  # decode rows, a prefill chunk, a prompt from scratch, an idle slot
+SEQUSED_K = [20, 60, 1, 5, 9, 3]  # keys per sequence, the new queries' own included
+
+
+def paged_cache(seqused_k, page_size, nheads_k, head_dim, dtype, g, spare_pages=2):
+    """(k_cache, v_cache) (num_pages, page_size, nheads_k, head_dim) and a block table whose pages are
+    shuffled through the pool (plus pages nobody owns)."""
+    pages_per_seq = max(1, math.ceil(max(seqused_k) / page_size))
+    num_pages = len(seqused_k) * pages_per_seq + spare_pages
+    k_cache, v_cache = (torch.randn(num_pages, page_size, nheads_k, head_dim, generator=g).to(DEVICE, dtype)
+                        for _ in range(2))
+    order = torch.randperm(num_pages, generator=g)[: len(seqused_k) * pages_per_seq]
+    return k_cache, v_cache, order.view(len(seqused_k), pages_per_seq).to(DEVICE, torch.int32)
+
+
+def cumulative(lengths):
+    return torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def per_sequence_reference(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, dtype, **options):
+    """(out (total_q, H, Dv), lse (H, total_q)) of each sequence through kvcache_attention_reference."""
+    outs, lses = [], []
+    for b in range(len(seqlens_k)):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        table = None if block_table is None else block_table[b:b + 1]
+        cache_rows = (k_cache, v_cache) if table is not None else (k_cache[b:b + 1], v_cache[b:b + 1])
+        slopes = options.get("alibi_slopes")
+        out, lse = kvcache_attention_reference(
+            q[rows][None], *cache_rows, seqlens_k[b:b + 1], None, table, compute_dtype=dtype,
+            **dict(options, alibi_slopes=None if slopes is None else slopes.expand(len(seqlens_k), -1)[b]))
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+VARIANTS = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "window-softcap": dict(causal=True, window_size=(8, 0), softcap=3.0),
+    "alibi-sink": dict(causal=True, alibi_slopes="per-sequence", learnable_sink="per-head"),
+}
+
+
+def _options(variant, batch, nheads, g):
+    options = dict(VARIANTS[variant])
+    if options.get("alibi_slopes") == "per-sequence":
+        options["alibi_slopes"] = torch.rand(batch, nheads, generator=g).to(DEVICE)
+    if options.get("learnable_sink") == "per-head":
+        options["learnable_sink"] = torch.randn(nheads, generator=g).to(DEVICE)
+    return options
+
+
+def _check(out, lse, refs):
+    assert out.shape == refs[0][0].shape and lse.shape == refs[0][1].shape
+    assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
+    seen = torch.isfinite(refs[0][1])
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse[seen].double(), refs[0][1][seen].double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_paged_varlen_prefill(backend, variant, page_size):
+    g = torch.Generator().manual_seed(page_size)
+    nheads, nheads_k, head_dim, dtype = 4, 2, 32, torch.bfloat16
+    k_cache, v_cache, block_table = paged_cache(SEQUSED_K, page_size, nheads_k, head_dim, dtype, g)
+    q = torch.randn(sum(SEQLENS_Q), nheads, head_dim, generator=g).to(DEVICE, dtype)
+    cu_seqlens_q, seqused_k = cumulative(SEQLENS_Q), torch.tensor(SEQUSED_K, dtype=torch.int32, device=DEVICE)
+    options = _options(variant, len(SEQLENS_Q), nheads, g)
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q, None, max(SEQLENS_Q), max(SEQUSED_K), block_table=block_table,
+        seqused_k=seqused_k, return_attn_probs=True, **options)
+    refs = [per_sequence_reference(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, dt, **options)
+            for dt in (torch.float64, dtype)]
+    _check(out, lse, refs)
+
+
+def test_paged_varlen_lengths_from_cu_seqlens_k(backend):
+    # flash-attn 2's form: no seqused_k, the keys of sequence b are cu_seqlens_k[b + 1] − cu_seqlens_k[b]
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache, block_table = paged_cache(SEQUSED_K, 16, 1, 16, torch.float16, g)
+    q = torch.randn(sum(SEQLENS_Q), 2, 16, generator=g).to(DEVICE, torch.float16)
+    cu_seqlens_q, cu_seqlens_k = cumulative(SEQLENS_Q), cumulative(SEQUSED_K)
+    out = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max(SEQLENS_Q),
+                                           max(SEQUSED_K), causal=True, block_table=block_table)
+    seqused_k = torch.tensor(SEQUSED_K, dtype=torch.int32, device=DEVICE)
+    expected = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max(SEQLENS_Q),
+                                                max(SEQUSED_K), causal=True, block_table=block_table,
+                                                seqused_k=seqused_k)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_varlen_queries_with_append(backend, paged, num_splits):
+    # chunked prefill and speculative decoding in one call: each sequence appends its new tokens
+    # (packed like q) at cache_seqlens[b], then its queries attend to the cache, causal per sequence
+    g = torch.Generator().manual_seed(2)
+    seqlens_new, cache_seqlens = [1, 12, 4, 0], [30, 0, 17, 5]
+    nheads, nheads_k, head_dim, dtype, capacity = 4, 1, 24, torch.float16, 64
+    if paged:
+        k_cache, v_cache, block_table = paged_cache([capacity] * 4, 16, nheads_k, head_dim, dtype, g)
+    else:
+        k_cache, v_cache = (torch.randn(4, capacity, nheads_k, head_dim, generator=g).to(DEVICE, dtype)
+                            for _ in range(2))
+        block_table = None
+    total = sum(seqlens_new)
+    q = torch.randn(total, nheads, head_dim, generator=g).to(DEVICE, dtype)
+    k, v = (torch.randn(total, nheads_k, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    cu_seqlens_q = cumulative(seqlens_new)
+    cache_seqlens_t = torch.tensor(cache_seqlens, dtype=torch.int32, device=DEVICE)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    for b, (start, n) in enumerate(zip(cache_seqlens, seqlens_new)):
+        for t in range(n):
+            position, row = start + t, int(cu_seqlens_q[b]) + t
+            where = ((int(block_table[b, position // 16]), position % 16) if paged else (b, position))
+            k_expected[where], v_expected[where] = k[row], v[row]
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens_t, block_table=block_table, causal=True,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max(seqlens_new), num_splits=num_splits, return_softmax_lse=True)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    seqlens_k = cache_seqlens_t + torch.tensor(seqlens_new, dtype=torch.int32, device=DEVICE)
+    refs = [per_sequence_reference(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, dt, causal=True)
+            for dt in (torch.float64, dtype)]
+    _check(out, lse, refs)
+
+
+def test_tokens_outside_every_sequence_give_zero(backend):
+    # cu_seqlens_q covering 6 of 8 query tokens: the last two get 0 and -inf, as in the packed kernels
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache, block_table = paged_cache([10, 10], 16, 1, 16, torch.float32, g)
+    q = torch.randn(8, 2, 16, generator=g).to(DEVICE)
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        q, k_cache, v_cache, cumulative([3, 3]), None, 3, 10, block_table=block_table, return_attn_probs=True,
+        seqused_k=torch.tensor([10, 4], dtype=torch.int32, device=DEVICE))
+    assert (out[6:] == 0).all() and torch.isneginf(lse[:, 6:]).all() and torch.isfinite(lse[:, :6]).all()
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [(dict(requires_grad=True), NotImplementedError, "no backward"),
+     (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+     (dict(seqused_k="without block_table"), NotImplementedError, "seqused_k"),
+     (dict(block_table="2-D float"), TypeError, "block_table must be int32")],
+    ids=["grad", "dropout", "seqused-k-alone", "float-table"],
+)
+def test_paged_varlen_refuses_what_it_cannot_do(change, error, message):
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache, block_table = paged_cache([10, 10], 16, 1, 16, torch.float16, g)
+    q = torch.randn(4, 2, 16, generator=g).to(DEVICE, torch.float16)
+    seqused_k = torch.tensor([10, 4], dtype=torch.int32, device=DEVICE)
+    kwargs = dict(block_table=block_table, seqused_k=seqused_k)
+    if change.get("requires_grad"):
+        q.requires_grad_()
+    if "dropout_p" in change:
+        kwargs["dropout_p"] = change["dropout_p"]
+    if change.get("seqused_k"):
+        kwargs.pop("block_table")
+    if change.get("block_table"):
+        kwargs["block_table"] = block_table.float()
+    with pytest.raises(error, match=message):
+        flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), None, 2, 10, **kwargs)
