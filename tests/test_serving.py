@@ -180,3 +180,115 @@ def test_paged_varlen_refuses_what_it_cannot_do(change, error, message):
         kwargs["block_table"] = block_table.float()
     with pytest.raises(error, match=message):
         flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), None, 2, 10, **kwargs)
+
+
+def rotate(x, positions, freqs, interleaved):
+    """The rotary embedding by its definition, independent of the library's: each channel pair as a
+    complex number times e^{i · position · freq}; x (..., nheads, headdim), positions x's leading shape."""
+    rotary_dim = 2 * freqs.numel()
+    pairs = x[..., :rotary_dim].double()
+    if interleaved:
+        real, imag = pairs[..., 0::2], pairs[..., 1::2]
+    else:
+        real, imag = pairs[..., :rotary_dim // 2], pairs[..., rotary_dim // 2:]
+    angle = positions.double()[..., None, None] * freqs.double().to(DEVICE)  # [..., 1, rotary_dim / 2]
+    turned = torch.complex(real, imag) * torch.polar(torch.ones_like(angle), angle)
+    parts = (turned.real, turned.imag)
+    rotated = torch.stack(parts, -1).flatten(-2) if interleaved else torch.cat(parts, -1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+def test_rotary_on_q_and_the_appended_k(backend, interleaved, causal):
+    g = torch.Generator().manual_seed(5)
+    batch, seqlen_new, nheads, nheads_k, head_dim, capacity = 2, 3, 4, 2, 32, 40
+    freqs = 1.0 / 100.0 ** (torch.arange(8, dtype=torch.float64) / 8)  # rotary_dim 16 of 32: half pass through
+    angles = torch.arange(64, dtype=torch.float64)[:, None] * freqs  # [seqlen_ro, rotary_dim / 2]
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch, capacity, nheads_k, head_dim, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(batch, seqlen_new, nheads, head_dim, generator=g).to(DEVICE)
+    k, v = (torch.randn(batch, seqlen_new, nheads_k, head_dim, generator=g).to(DEVICE) for _ in range(2))
+    cache_seqlens = torch.tensor([7, 30], dtype=torch.int32, device=DEVICE)
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=DEVICE)  # [B, S]
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    k_rotated = rotate(k, positions, freqs, interleaved)
+    for b in range(batch):
+        k_expected[b, cache_seqlens[b]:cache_seqlens[b] + seqlen_new] = k_rotated[b]
+        v_expected[b, cache_seqlens[b]:cache_seqlens[b] + seqlen_new] = v[b]
+    q_positions = positions if causal else cache_seqlens.long()[:, None].expand_as(positions)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, causal=causal,
+                                            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    torch.testing.assert_close(k_cache, k_expected, rtol=0, atol=1e-6)  # float32 rounding of the rotation
+    assert torch.equal(v_cache, v_expected)
+    expected, _ = kvcache_attention_reference(rotate(q, q_positions, freqs, interleaved).double(), k_expected.double(),
+                                              v_expected.double(), cache_seqlens + seqlen_new, causal=causal)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_cache_leftpad(backend, num_splits):
+    # sequence b's keys are slots [leftpad[b], cache_seqlens[b] + new): the same as a cache that starts there
+    g = torch.Generator().manual_seed(6)
+    leftpad, cache_seqlens, seqlen_new = [3, 0, 30, 5], [8, 5, 40, 5], 2
+    batch, nheads, head_dim, capacity = 4, 2, 16, 64
+    k_cache, v_cache = (torch.randn(batch, capacity, 1, head_dim, generator=g).to(DEVICE, torch.bfloat16)
+                        for _ in range(2))
+    q = torch.randn(batch, seqlen_new, nheads, head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_new, 1, head_dim, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    options = dict(causal=True, window_size=(20, 0), alibi_slopes=torch.tensor([0.3, 0.1], device=DEVICE))
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(cache_seqlens, dtype=torch.int32, device=DEVICE),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE), num_splits=num_splits,
+        return_softmax_lse=True, **options)
+    assert torch.isfinite(lse).all()  # sequence 3 (leftpad = cache_seqlens): only its 2 new keys
+    refs = []
+    for dtype in (torch.float64, torch.bfloat16):
+        outs = []
+        for b in range(batch):
+            end = cache_seqlens[b] + seqlen_new
+            keys = slice(leftpad[b], end)
+            ref_out, _ = kvcache_attention_reference(
+                q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys],
+                torch.tensor([end - leftpad[b]], dtype=torch.int32, device=DEVICE), compute_dtype=dtype, **options)
+            outs.append(ref_out)
+        refs.append(torch.cat(outs))
+    assert_accurate("out", out, refs[0], refs[1], factor=2)
+
+
+def test_rotary_and_leftpad_validation():
+    q = torch.zeros(1, 1, 2, 16, device=DEVICE)
+    cache = torch.zeros(1, 8, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rotary_dim = 2 · 9 must be in 1..headdim \(16\)"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 9, device=DEVICE),
+                                          rotary_sin=torch.zeros(8, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="must share one shape"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE),
+                                          rotary_sin=torch.zeros(7, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="rotary_sin must be a float tensor"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE))
+    with pytest.raises(TypeError, match="cache_leftpad must be int32"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="cache_leftpad cannot be combined with block_table"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, dtype=torch.int32,
+                                                                                     device=DEVICE),
+                                          block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
+
+
+def test_rotary_with_packed_queries_equals_the_batch_form(backend):
+    # two sequences of 3 new tokens: packed with cu_seqlens_q, or as a (2, 3, ...) batch: the same call
+    g = torch.Generator().manual_seed(7)
+    angles = torch.arange(32, dtype=torch.float64)[:, None] * torch.tensor([1.0, 0.3, 0.1, 0.01], dtype=torch.float64)
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    caches = [torch.randn(2, 24, 1, 16, generator=g).to(DEVICE) for _ in range(2)]
+    q = torch.randn(2, 3, 2, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 3, 1, 16, generator=g).to(DEVICE) for _ in range(2))
+    cache_seqlens = torch.tensor([4, 19], dtype=torch.int32, device=DEVICE)
+    batch_caches = [t.clone() for t in caches]
+    expected = flashtile.flash_attn_with_kvcache(q, *batch_caches, k, v, cache_seqlens=cache_seqlens, causal=True,
+                                                 rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+    out = flashtile.flash_attn_with_kvcache(q.flatten(0, 1), *caches, k.flatten(0, 1), v.flatten(0, 1),
+                                            cache_seqlens=cache_seqlens, causal=True, rotary_cos=cos, rotary_sin=sin,
+                                            rotary_interleaved=False, cu_seqlens_q=cumulative([3, 3]), max_seqlen_q=3)
+    assert all(torch.equal(a, b) for a, b in zip(caches, batch_caches))
+    torch.testing.assert_close(out, expected.flatten(0, 1), rtol=0, atol=1e-6)

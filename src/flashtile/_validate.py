@@ -181,6 +181,36 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
     return alibi_slopes.contiguous()
 
 
+def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
+    """rotary_cos and rotary_sin: together or not at all, float tensors of one shape (seqlen_ro,
+    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or rotary_cos.shape[0] == 0:
+        raise ValueError(f"rotary_cos and rotary_sin must share one shape (seqlen_ro ≥ 1, rotary_dim / 2), got "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
+        raise ValueError(f"rotary_dim = 2 · {rotary_cos.shape[1]} must be in 1..headdim ({head_dim})")
+
+
+def check_cache_leftpad(cache_leftpad, batch: int, block_table, device):
+    """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn)."""
+    if cache_leftpad is None:
+        return None
+    if block_table is not None:
+        raise NotImplementedError("cache_leftpad cannot be combined with block_table (as in flash-attn)")
+    _check_int32("cache_leftpad", cache_leftpad, (batch,))
+    if cache_leftpad.device != device:
+        raise ValueError(f"cache_leftpad must be on {device}, got {cache_leftpad.device}")
+    return cache_leftpad
+
+
 def check_learnable_sink(learnable_sink, nheads: int, device):
     """→ the sink logits, contiguous: float32 (nheads,) on the inputs' device; None passes through."""
     if learnable_sink is None:

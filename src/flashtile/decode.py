@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from . import _validate, ops
+from . import _validate, ops, reference
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -64,6 +64,11 @@ def flash_attn_with_kvcache(
     learnable_sink: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
+    *,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    cache_leftpad: torch.Tensor | None = None,
 ):
     """Attention of q against a KV cache, appending new keys/values first; flash-attn 2's semantics.
 
@@ -103,6 +108,15 @@ def flash_attn_with_kvcache(
             cu_seqlens_q[b + 1]), as are the new k, v (total_q, nheads_k, headdim): chunked
             prefill and speculative decoding of a mixed batch in one call. Causal aligns each
             sequence's queries to the end of its keys (its new ones included).
+        rotary_cos, rotary_sin: keyword only, optional (seqlen_ro, rotary_dim / 2), flash-attn 2's
+            rotary embedding of the first rotary_dim channels: the new k at positions
+            cache_seqlens[b] + i, and q at the same positions when causal or windowed, else all
+            at cache_seqlens[b]. Applied by PyTorch before the kernel (not fused).
+        rotary_interleaved: keyword only: rotate pairs (2j, 2j + 1) (GPT-J; flash-attn's default)
+            rather than (j, j + rotary_dim / 2) (GPT-NeoX).
+        cache_leftpad: keyword only, optional (batch,) int32: sequence b's keys are cache slots
+            [cache_leftpad[b], cache_seqlens[b] + seqlen_new) (cache_seqlens stays the absolute end;
+            rotary positions stay slot indices). Not with block_table (as in flash-attn).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_softmax_lse the
@@ -116,6 +130,8 @@ def flash_attn_with_kvcache(
     packed = cu_seqlens_q is not None
     nheads_q, head_dim = q.shape[-2:]
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
+    _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)
+    cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
     num_splits = _validate.check_num_splits(num_splits)
@@ -125,6 +141,9 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if rotary_cos is not None:
+        q, k = _rotated(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens, options,
+                        cu_seqlens_q if packed else None)
     seqlens_k = cache_seqlens
     if k is not None:
         ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
@@ -138,8 +157,32 @@ def flash_attn_with_kvcache(
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
                                          alibi_slopes, num_splits, learnable_sink, cu_seqlens_q if packed else None,
-                                         max_seqlen_q or 0)
+                                         max_seqlen_q or 0, cache_leftpad)
     return (out, lse) if return_softmax_lse else out
+
+
+def _rotated(q, k, cos, sin, interleaved, cache_seqlens, options, cu_seqlens_q):
+    """(q, k) with the rotary embedding applied at their positions (flash-attn 2's rule: the new keys at
+    cache_seqlens[b] + i; the queries there too when causal or windowed, else all at cache_seqlens[b])."""
+    starts = cache_seqlens.long()
+    if cu_seqlens_q is not None:  # token t of sequence b: position cache_seqlens[b] + t − cu_seqlens_q[b]
+        sequence = reference.packed_sequences(cu_seqlens_q, q.shape[0])  # [total_q]
+        offsets = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q.long()[sequence]
+        starts = starts[sequence]
+    else:
+        offsets = torch.arange(q.shape[1], device=q.device)  # [Sq]
+        starts = starts[:, None]  # [B, 1]
+    # clamped: a position past the table must not fault (the lengths live on the device, unchecked)
+    positions = (starts + offsets).clamp(0, cos.shape[0] - 1)
+    q_positions = positions
+    if options.window == (-1, -1):  # neither causal nor windowed: every query at the end of the cache
+        q_positions = starts.clamp(0, cos.shape[0] - 1).expand(positions.shape)
+    q = reference.apply_rotary(q, cos, sin, q_positions, interleaved)
+    if k is not None:
+        if cu_seqlens_q is None:  # seqlen_new may differ from seqlen_q
+            positions = (starts + torch.arange(k.shape[1], device=k.device)).clamp(0, cos.shape[0] - 1)
+        k = reference.apply_rotary(k, cos, sin, positions, interleaved)
+    return q, k
 
 
 def _packed_lengths(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -279,19 +279,20 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
                       alibi_slopes=None, num_splits: int = 0, learnable_sink=None, cu_seqlens_q=None,
-                      max_seqlen_q: int = 0):
+                      max_seqlen_q: int = 0, cache_leftpad=None):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
-    and → (out [total_q, Hq, Dv], lse [Hq, total_q])."""
+    and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot."""
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                 options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
-                                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+                                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                                cache_leftpad=cache_leftpad)
     out, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
         options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
-        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad,
     )
     return out.to(q.dtype), lse.float()
 

@@ -47,7 +47,8 @@ Submodules:
   (:func:`merge_split_states`, the merge of split-KV decoding and ring attention);
 * ``attention``: block scores, standard and tiled attention, forward and backward;
 * ``varlen``: the same per sequence of a packed (variable-length) batch;
-* ``kvcache``: attention of each sequence against its valid prefix of a KV cache.
+* ``kvcache``: attention of each sequence against its valid prefix of a KV cache;
+* ``rotary``: rotary position embeddings, as the KV-cache call applies them.
 
 Conventions (shared with the kernels):
 * layout (batch, nheads, seqlen, headdim), as ``scaled_dot_product_attention``;
@@ -64,6 +65,7 @@ from .attention import attention_backward, attention_forward, tiled_attention_ba
 from .dropout import dropout_keep_mask, philox_uniform
 from .kvcache import kvcache_append_reference, kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
+from .rotary import apply_rotary, packed_sequences
 from .softmax import merge_softmax_states, merge_split_states, online_softmax
 from .varlen import (sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
                      varlen_attention_forward)
@@ -89,4 +91,6 @@ __all__ = [
     "kvcache_append_reference",
     "kvcache_attention_reference",
     "sequence_slices",
+    "apply_rotary",
+    "packed_sequences",
 ]

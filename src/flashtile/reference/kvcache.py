@@ -35,7 +35,8 @@ def _sequence_kv(k_cache, v_cache, b: int, seqlen: int, cache_batch_idx, block_t
 
 def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None, compute_dtype=None, learnable_sink=None, cu_seqlens_q=None):
+                                alibi_slopes=None, compute_dtype=None, learnable_sink=None, cu_seqlens_q=None,
+                                cache_leftpad=None):
     """Standard attention of each sequence over its gathered valid prefix (the specification).
 
     q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] (rows chosen by cache_batch_idx [B]) or
@@ -45,7 +46,9 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     scores ``s = q·k · scale``, softcapped ``c · tanh(s / c)``, minus ALiBi
     ``slope · |i + Nk − Nq − j|``; key j visible to query i iff
     ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded);
-    learnable_sink (Hq,) joins every row's denominator once. Computes in ``compute_dtype`` (default
+    learnable_sink (Hq,) joins every row's denominator once; cache_leftpad [B]: sequence b's keys start
+    at that slot (the slots before it are not keys; masks and ALiBi stay in slot indices, aligned to
+    the end as always). Computes in ``compute_dtype`` (default
     q's dtype); returns (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in ``compute_dtype``.
 
     With ``cu_seqlens_q`` (int32 [B + 1]) q is packed (total_q, Hq, D), sequence b's queries at rows
@@ -56,13 +59,16 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     if cu_seqlens_q is not None:
         return _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q,
                                compute_dtype, dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                                   softcap=softcap, learnable_sink=learnable_sink), alibi_slopes)
+                                                   softcap=softcap, learnable_sink=learnable_sink), alibi_slopes,
+                               cache_leftpad)
     batch, _, nheads_q, _ = q.shape
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     outs, lses = [], []
     for b in range(batch):
         seqlen = min(max(int(seqlens_k[b]), 0), capacity)  # as the kernel clamps it
         k_b, v_b, exists = _sequence_kv(k_cache, v_cache, b, seqlen, cache_batch_idx, block_table)  # [Nk, Hk, D]
+        if cache_leftpad is not None:
+            exists[:min(max(int(cache_leftpad[b]), 0), seqlen)] = False  # as the kernel clamps it
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
         out, lse, _ = attention_forward(
             *(t.to(compute_dtype).unsqueeze(0).transpose(1, 2) for t in (q[b], k_b, v_b)),  # [1, H, N, D]
@@ -88,7 +94,7 @@ def _one(t, b: int, default):
 
 
 def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q, compute_dtype,
-                    options, alibi_slopes):
+                    options, alibi_slopes, cache_leftpad):
     total_q, nheads_q, _ = q.shape
     batch = len(seqlens_k)
     out = torch.zeros((total_q, nheads_q, v_cache.shape[-1]), dtype=compute_dtype, device=q.device)
@@ -99,7 +105,8 @@ def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
         out_b, lse_b = kvcache_attention_reference(
             q[rows][None], k_cache, v_cache, seqlens_k[b:b + 1], _one(cache_batch_idx, b, row_b),
-            _one(block_table, b, None), alibi_slopes=slopes, compute_dtype=compute_dtype, **options)
+            _one(block_table, b, None), alibi_slopes=slopes, compute_dtype=compute_dtype,
+            cache_leftpad=_one(cache_leftpad, b, None), **options)
         out[rows], lse[:, rows] = out_b[0], lse_b[0]
     return out, lse
 

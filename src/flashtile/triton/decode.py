@@ -44,7 +44,7 @@ from .scores import initial_softmax_state, is_visible, key_range, normalise, sco
 
 @triton.jit
 def kvcache_attn_fwd_kernel(
-    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ,
+    Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ, CacheLeftpad,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -53,7 +53,7 @@ def kvcache_attn_fwd_kernel(
     stride_tb, stride_tn, stride_ab, stride_ah,
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -62,7 +62,9 @@ def kvcache_attn_fwd_kernel(
     """``BLOCK_D``: Q·Kᵀ runs over the head dim in chunks of BLOCK_D (one chunk, Q held in registers,
     up to 256; absorbed MLA's 576 in 64-wide chunks); ``HEAD_DIM_V``/``BLOCK_DV``: V's and Out's.
     ``IS_VARLEN_Q``: Q, Out and Lse are packed over the sequences (total_q rows, batch strides 0;
-    ``seqlen_q`` is then total_q), sequence b's queries at rows ``CuSeqlensQ[b]`` on."""
+    ``seqlen_q`` is then total_q), sequence b's queries at rows ``CuSeqlensQ[b]`` on.
+    ``HAS_LEFTPAD``: sequence b's keys start at slot ``CacheLeftpad[b]``; masks and ALiBi stay in slot
+    indices, which is the same rule as counting from the first key (the end is what aligns them)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
@@ -124,6 +126,10 @@ def kvcache_attn_fwd_kernel(
     last_q = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // group_size, seqlen_q - 1)
     lo, hi = key_range(first_q, last_q + 1, diagonal, seqlen_k, window_left, window_right,
                         MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    leftpad = 0
+    if HAS_LEFTPAD:  # slots before the sequence's first are not its keys: skip their blocks, mask the rest
+        leftpad = tl.minimum(tl.maximum(tl.load(CacheLeftpad + i_b), 0), seqlen_k)
+        lo = tl.maximum(lo, (leftpad // BLOCK_N) * BLOCK_N)
     blocks_per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), num_splits)
     split_lo = lo + i_split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(hi, split_lo + blocks_per_split * BLOCK_N)
@@ -136,6 +142,8 @@ def kvcache_attn_fwd_kernel(
     for start_n in range(split_lo, split_hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < split_hi
+        if HAS_LEFTPAD:
+            m_n = m_n & (cols >= leftpad)
         if IS_PAGED:
             # key j lives in page block_table[b, j // page_size], row j % page_size; a page id outside
             # the cache makes its keys invisible and is never dereferenced

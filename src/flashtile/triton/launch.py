@@ -394,7 +394,7 @@ def _packed_rows(part: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
                               config: dict | None = None, learnable_sink=None, cu_seqlens_q=None,
-                              max_seqlen_q: int = 0):
+                              max_seqlen_q: int = 0, cache_leftpad=None):
     """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv]
     with block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
@@ -402,7 +402,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32).
     With ``cu_seqlens_q`` (int32 [B + 1]), q is packed [total_q, Hq, D], the longest sequence has
     ``max_seqlen_q`` queries, and → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every
-    sequence get 0 and −inf."""
+    sequence get 0 and −inf. ``cache_leftpad`` int32 [B]: sequence b's keys start at that slot."""
     varlen = cu_seqlens_q is not None
     if varlen:  # one "batch row" of total_q tokens, each sequence at its own rows
         total_q, nheads_q, head_dim = q.shape
@@ -445,6 +445,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             CacheBatchIdx=seqlens_k if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
             AlibiSlopes=slopes, Sinks=slopes if learnable_sink is None else learnable_sink,
             CuSeqlensQ=cu_seqlens_q if varlen else seqlens_k,
+            CacheLeftpad=seqlens_k if cache_leftpad is None else cache_leftpad,
             **_token_strides("q", q), **_strides("k", "bshd", k_cache.stride()),
             **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", _packed_rows(out_part, varlen)),
             **_strides("l", "pbhs", _packed_rows(lse_part, varlen)), **_strides("t", "bn", table.stride()),
@@ -455,6 +456,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             softcap_scale=options.softmax_scale / softcap if softcap > 0 else 0.0, softcap_log2=softcap * LOG2E,
             window_left=options.window_left, window_right=options.window_right,
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN_Q=varlen,
+            HAS_LEFTPAD=cache_leftpad is not None,
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
             HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
