@@ -292,3 +292,74 @@ def test_rotary_with_packed_queries_equals_the_batch_form(backend):
                                             rotary_interleaved=False, cu_seqlens_q=cumulative([3, 3]), max_seqlen_q=3)
     assert all(torch.equal(a, b) for a, b in zip(caches, batch_caches))
     torch.testing.assert_close(out, expected.flatten(0, 1), rtol=0, atol=1e-6)
+
+
+FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("fmt", FLOAT8)
+def test_fp8_kv_cache(backend, fmt, paged, num_splits):
+    dtype8 = FLOAT8[fmt]
+    g = torch.Generator().manual_seed(8)
+    batch, seqlen_new, nheads, nheads_k, head_dim, capacity = 3, 2, 4, 2, 32, 48
+    if paged:
+        k_cache, v_cache, block_table = paged_cache([capacity] * batch, 16, nheads_k, head_dim, torch.float32, g)
+    else:
+        k_cache, v_cache = (torch.randn(batch, capacity, nheads_k, head_dim, generator=g).to(DEVICE)
+                            for _ in range(2))
+        block_table = None
+    k_cache, v_cache = (3 * k_cache).to(dtype8), (3 * v_cache).to(dtype8)
+    q = torch.randn(batch, seqlen_new, nheads, head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen_new, nheads_k, head_dim, generator=g).to(DEVICE, torch.bfloat16)
+            for _ in range(2))
+    k_descale, v_descale = ((torch.rand(batch, nheads_k, generator=g) + 0.5).to(DEVICE) for _ in range(2))
+    cache_seqlens = torch.tensor([0, 17, 46], dtype=torch.int32, device=DEVICE)
+    expected_caches = (k_cache.clone(), v_cache.clone())
+    flashtile.reference.kvcache_append_reference(*expected_caches, k, v, cache_seqlens, None, block_table,
+                                                 k_descale=k_descale, v_descale=v_descale)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                            block_table=block_table, causal=True, num_splits=num_splits,
+                                            k_descale=k_descale, v_descale=v_descale)
+    # the same float8 values: the kernel rounds to nearest even before it converts, as PyTorch's cast rounds
+    for actual, expected in zip((k_cache, v_cache), expected_caches):
+        assert torch.equal(actual.float(), expected.float())
+    # the attention, judged on the cache as written: the reference dequantises it
+    refs = [kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens + seqlen_new, None, block_table,
+                                        causal=True, compute_dtype=dtype, k_descale=k_descale, v_descale=v_descale)
+            for dtype in (torch.float64, torch.bfloat16)]
+    assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
+
+
+def test_fp8_paged_varlen_prefill(backend):
+    # vLLM's call with a float8 cache: scales per (sequence, KV head)
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache, block_table = paged_cache(SEQUSED_K, 16, 2, 32, torch.float32, g)
+    k_cache, v_cache = (2 * k_cache).to(torch.float8_e4m3fn), (2 * v_cache).to(torch.float8_e4m3fn)
+    q = torch.randn(sum(SEQLENS_Q), 4, 32, generator=g).to(DEVICE, torch.float16)
+    k_descale, v_descale = ((torch.rand(len(SEQUSED_K), 2, generator=g) + 0.5).to(DEVICE) for _ in range(2))
+    cu_seqlens_q, seqused_k = cumulative(SEQLENS_Q), torch.tensor(SEQUSED_K, dtype=torch.int32, device=DEVICE)
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q, None, max(SEQLENS_Q), max(SEQUSED_K), causal=True, block_table=block_table,
+        seqused_k=seqused_k, k_descale=k_descale, v_descale=v_descale, return_attn_probs=True)
+    refs = []
+    for dtype in (torch.float64, torch.float16):
+        refs.append(kvcache_attention_reference(q, k_cache, v_cache, seqused_k, None, block_table, causal=True,
+                                                compute_dtype=dtype, cu_seqlens_q=cu_seqlens_q, k_descale=k_descale,
+                                                v_descale=v_descale))
+    _check(out, lse, refs)
+
+
+def test_fp8_validation():
+    q = torch.zeros(1, 1, 2, 16, device=DEVICE, dtype=torch.bfloat16)
+    cache8 = torch.zeros(1, 8, 1, 16, device=DEVICE, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="a float8 KV cache needs float16 or bfloat16 queries"):
+        flashtile.flash_attn_with_kvcache(q.float(), cache8, cache8)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, nheads_k\) = \(1, 1\)"):
+        flashtile.flash_attn_with_kvcache(q, cache8, cache8, k_descale=torch.ones(2, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="scale a float8 KV cache"):
+        flashtile.flash_attn_with_kvcache(q, cache8.bfloat16(), cache8.bfloat16(), k_descale=torch.ones(1, 1,
+                                                                                                       device=DEVICE))
+    with pytest.raises(TypeError, match="v_cache must be a 4-D torch.float8_e4m3fn tensor"):
+        flashtile.flash_attn_with_kvcache(q, cache8, cache8.to(torch.float8_e5m2))

@@ -20,6 +20,8 @@ import torch
 from ._options import AttentionOptions, default_softmax_scale, fold_causal
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# a KV cache may also be float8 (with per-(sequence, KV head) scales) under 16-bit queries
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Index tensors on a GPU are checked only on request: reading their contents costs a host sync.
 CHECK_INPUTS_VARIABLE = "FLASHTILE_CHECK_INPUTS"
 MAX_HEAD_DIM = 256
@@ -199,6 +201,30 @@ def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
         raise ValueError(f"rotary_dim = 2 · {rotary_cos.shape[1]} must be in 1..headdim ({head_dim})")
 
 
+def check_descale(k_descale, v_descale, k_cache, batch: int, device):
+    """→ (k_descale, v_descale): float32 (batch, nheads_k) contiguous scales of a float8 cache (ones where
+    none are given); None for a cache in the queries' dtype, which takes none."""
+    float8 = k_cache.dtype in FLOAT8_DTYPES
+    if not float8:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale and v_descale scale a float8 KV cache; k_cache is {k_cache.dtype}")
+        return None, None
+    shape = (batch, k_cache.shape[2])
+    scales = []
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            t = torch.ones(shape, dtype=torch.float32, device=device)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor (batch, nheads_k), got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape (batch, nheads_k) = {shape}, got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+        scales.append(t.contiguous())
+    return tuple(scales)
+
+
 def check_cache_leftpad(cache_leftpad, batch: int, block_table, device):
     """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn)."""
     if cache_leftpad is None:
@@ -303,7 +329,15 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         raise ValueError("k and v must be given together (or both None)")
     if k is not None:
         tensors += [("k", k), ("v", v)]
+    float8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype in FLOAT8_DTYPES
     for name, t in tensors:
+        if float8_cache and name in ("k_cache", "v_cache"):
+            if not isinstance(t, torch.Tensor) or t.dtype != k_cache.dtype or t.dim() != 4:
+                raise TypeError(f"{name} must be a 4-D {k_cache.dtype} tensor like k_cache, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+            if q.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError(f"a float8 KV cache needs float16 or bfloat16 queries, got q {q.dtype}")
+            continue
         check_tensors((name,), (t,), 3 if packed and name in ("q", "k", "v") else 4)
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")

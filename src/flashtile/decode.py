@@ -69,6 +69,8 @@ def flash_attn_with_kvcache(
     rotary_sin: torch.Tensor | None = None,
     rotary_interleaved: bool = True,
     cache_leftpad: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention of q against a KV cache, appending new keys/values first; flash-attn 2's semantics.
 
@@ -117,6 +119,10 @@ def flash_attn_with_kvcache(
         cache_leftpad: keyword only, optional (batch,) int32: sequence b's keys are cache slots
             [cache_leftpad[b], cache_seqlens[b] + seqlen_new) (cache_seqlens stays the absolute end;
             rotary positions stay slot indices). Not with block_table (as in flash-attn).
+        k_descale, v_descale: keyword only, optional (batch, nheads_k) float32, for a float8 cache
+            (float8_e4m3fn or float8_e5m2; q in float16/bfloat16): the keys and values are the stored
+            values times these scales (default 1); appended k, v are stored divided by them, clamped
+            to the format's range and rounded to nearest. Accumulation stays float32.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_softmax_lse the
@@ -132,6 +138,7 @@ def flash_attn_with_kvcache(
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
+    k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
     num_splits = _validate.check_num_splits(num_splits)
@@ -147,7 +154,7 @@ def flash_attn_with_kvcache(
     seqlens_k = cache_seqlens
     if k is not None:
         ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                           cu_seqlens_q if packed else None, max_seqlen_q or 0)
+                           cu_seqlens_q if packed else None, max_seqlen_q or 0, k_descale, v_descale)
         seqlens_k = cache_seqlens + (_packed_lengths(cu_seqlens_q, k.shape[0]) if packed else k.shape[1])
 
     if q.numel() == 0 or batch == 0:
@@ -157,7 +164,7 @@ def flash_attn_with_kvcache(
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
                                          alibi_slopes, num_splits, learnable_sink, cu_seqlens_q if packed else None,
-                                         max_seqlen_q or 0, cache_leftpad)
+                                         max_seqlen_q or 0, cache_leftpad, k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -262,6 +262,8 @@ def flash_attn_varlen_func(
     learnable_sink: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention over a batch of sequences packed without padding, as flash-attn 2's; with a paged
     KV cache (``block_table``), the call vLLM makes for every step of a mixed batch.
@@ -281,6 +283,8 @@ def flash_attn_varlen_func(
             seqused_k[b] slots of its pages, in order (a chunk of new queries sees the whole
             cached prefix under causal). Inference only: no backward, no dropout.
         seqused_k: optional (batch,) int32, with block_table: the keys each sequence uses.
+        k_descale, v_descale: optional (batch, nheads_k) float32, with block_table: the scales of a
+            float8 cache, as in :func:`flash_attn_with_kvcache`.
         {options}
 
     Returns:
@@ -293,9 +297,10 @@ def flash_attn_varlen_func(
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table,
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, learnable_sink=learnable_sink,
-                             return_attn_probs=return_attn_probs)
-    if seqused_k is not None:
-        raise NotImplementedError("seqused_k is supported with block_table (a paged KV cache) only")
+                             return_attn_probs=return_attn_probs, k_descale=k_descale, v_descale=v_descale)
+    for name, t in (("seqused_k", seqused_k), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None:
+            raise NotImplementedError(f"{name} is supported with block_table (a paged KV cache) only")
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0],
                                 k.shape[0])
@@ -308,7 +313,7 @@ def flash_attn_varlen_func(
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table, *,
                   softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
-                  return_attn_probs):
+                  return_attn_probs, k_descale, v_descale):
     """flash_attn_varlen_func over a paged cache: the KV-cache kernel with packed queries (forward only)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError("flash_attn_varlen_func with block_table (a paged KV cache) has no backward: "
@@ -325,13 +330,14 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
+    k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
     if q.numel() == 0 or batch == 0:
         out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table, options, alibi_slopes,
                                          learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
-                                         max_seqlen_q=max_seqlen_q)
+                                         max_seqlen_q=max_seqlen_q, k_descale=k_descale, v_descale=v_descale)
     return (out, lse, None) if return_attn_probs else out
 
 

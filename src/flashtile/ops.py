@@ -265,34 +265,35 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                   cu_seqlens_new=None, max_seqlen_new: int = 0) -> None:
+                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
     """Write k, v [B, Sn, Hk, D] (or packed [total_new, Hk, D] with ``cu_seqlens_new``) into the caches
     in place at cache_seqlens[b] + 0..Sn-1; a write outside the cache is dropped (the Triton kernel,
-    or the reference's indexing on the CPU path)."""
+    or the reference's indexing on the CPU path); a float8 cache stores them divided by its scales."""
     if uses_triton(k):
         launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
-                              max_seqlen_new)
+                              max_seqlen_new, k_descale, v_descale)
     else:
         reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                           cu_seqlens_new)
+                                           cu_seqlens_new, k_descale, v_descale)
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
                       alibi_slopes=None, num_splits: int = 0, learnable_sink=None, cu_seqlens_q=None,
-                      max_seqlen_q: int = 0, cache_leftpad=None):
+                      max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
-    and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot."""
+    and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot;
+    ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales."""
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                 options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
                                                 cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                                cache_leftpad=cache_leftpad)
+                                                cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     out, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
         options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
-        cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad,
+        cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
     )
     return out.to(q.dtype), lse.float()
 

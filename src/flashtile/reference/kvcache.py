@@ -36,7 +36,7 @@ def _sequence_kv(k_cache, v_cache, b: int, seqlen: int, cache_batch_idx, block_t
 def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=None, block_table=None,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                 alibi_slopes=None, compute_dtype=None, learnable_sink=None, cu_seqlens_q=None,
-                                cache_leftpad=None):
+                                cache_leftpad=None, k_descale=None, v_descale=None):
     """Standard attention of each sequence over its gathered valid prefix (the specification).
 
     q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] (rows chosen by cache_batch_idx [B]) or
@@ -48,7 +48,8 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     ``i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right`` (causal: right = 0; −1 unbounded);
     learnable_sink (Hq,) joins every row's denominator once; cache_leftpad [B]: sequence b's keys start
     at that slot (the slots before it are not keys; masks and ALiBi stay in slot indices, aligned to
-    the end as always). Computes in ``compute_dtype`` (default
+    the end as always); k_descale, v_descale [B, Hk]: a float8 cache's values are the stored ones times
+    these scales. Computes in ``compute_dtype`` (default
     q's dtype); returns (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in ``compute_dtype``.
 
     With ``cu_seqlens_q`` (int32 [B + 1]) q is packed (total_q, Hq, D), sequence b's queries at rows
@@ -60,7 +61,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
         return _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q,
                                compute_dtype, dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                                    softcap=softcap, learnable_sink=learnable_sink), alibi_slopes,
-                               cache_leftpad)
+                               cache_leftpad, k_descale, v_descale)
     batch, _, nheads_q, _ = q.shape
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     outs, lses = [], []
@@ -69,6 +70,9 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
         k_b, v_b, exists = _sequence_kv(k_cache, v_cache, b, seqlen, cache_batch_idx, block_table)  # [Nk, Hk, D]
         if cache_leftpad is not None:
             exists[:min(max(int(cache_leftpad[b]), 0), seqlen)] = False  # as the kernel clamps it
+        if k_descale is not None:  # a float8 cache, dequantised: [Nk, Hk, D] · [Hk, 1]
+            k_b = k_b.to(compute_dtype) * k_descale[b].to(compute_dtype)[:, None]
+            v_b = v_b.to(compute_dtype) * v_descale[b].to(compute_dtype)[:, None]
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
         out, lse, _ = attention_forward(
             *(t.to(compute_dtype).unsqueeze(0).transpose(1, 2) for t in (q[b], k_b, v_b)),  # [1, H, N, D]
@@ -94,7 +98,7 @@ def _one(t, b: int, default):
 
 
 def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cu_seqlens_q, compute_dtype,
-                    options, alibi_slopes, cache_leftpad):
+                    options, alibi_slopes, cache_leftpad, k_descale, v_descale):
     total_q, nheads_q, _ = q.shape
     batch = len(seqlens_k)
     out = torch.zeros((total_q, nheads_q, v_cache.shape[-1]), dtype=compute_dtype, device=q.device)
@@ -106,16 +110,18 @@ def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         out_b, lse_b = kvcache_attention_reference(
             q[rows][None], k_cache, v_cache, seqlens_k[b:b + 1], _one(cache_batch_idx, b, row_b),
             _one(block_table, b, None), alibi_slopes=slopes, compute_dtype=compute_dtype,
-            cache_leftpad=_one(cache_leftpad, b, None), **options)
+            cache_leftpad=_one(cache_leftpad, b, None), k_descale=_one(k_descale, b, None),
+            v_descale=_one(v_descale, b, None), **options)
         out[rows], lse[:, rows] = out_b[0], lse_b[0]
     return out, lse
 
 
 def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                             cu_seqlens_new=None) -> None:
+                             cu_seqlens_new=None, k_descale=None, v_descale=None) -> None:
     """Write k, v [B, Sn, Hk, D] into the caches in place at positions cache_seqlens[b] + 0..Sn-1; with
     ``cu_seqlens_new`` k, v are packed (total_new, Hk, D), sequence b's rows as in
-    :func:`kvcache_attention_reference`'s packed queries.
+    :func:`kvcache_attention_reference`'s packed queries. A float8 cache stores x / descale[b, h], clamped
+    to the format's largest finite value and rounded to nearest.
 
     A write lands only where it is inside the cache, as the kernel's (``triton.decode``): position in
     [0, capacity), cache row or page id in [0, k_cache.shape[0]); any other is dropped. (Boolean
@@ -124,8 +130,13 @@ def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_
         for b, rows in _sequence_rows(cu_seqlens_new, k.shape[0]):
             row_b = torch.tensor([b], dtype=torch.int32, device=k.device) if block_table is None else None
             kvcache_append_reference(k_cache, v_cache, k[rows][None], v[rows][None], cache_seqlens[b:b + 1],
-                                     _one(cache_batch_idx, b, row_b), _one(block_table, b, None))
+                                     _one(cache_batch_idx, b, row_b), _one(block_table, b, None), None,
+                                     _one(k_descale, b, None), _one(v_descale, b, None))
         return
+    if k_descale is not None:  # [B, Sn, Hk, D] / [B, 1, Hk, 1]
+        limit = torch.finfo(k_cache.dtype).max
+        k = (k.float() / k_descale[:, None, :, None]).clamp(-limit, limit).to(k_cache.dtype)
+        v = (v.float() / v_descale[:, None, :, None]).clamp(-limit, limit).to(v_cache.dtype)
     batch, seqlen_new = k.shape[:2]
     cache_rows, page_size = k_cache.shape[:2]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size

@@ -45,15 +45,17 @@ from .scores import initial_softmax_state, is_visible, key_range, normalise, sco
 @triton.jit
 def kvcache_attn_fwd_kernel(
     Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ, CacheLeftpad,
+    KDescale, VDescale,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_op, stride_ob, stride_os, stride_oh, stride_od,
     stride_lp, stride_lb, stride_lh, stride_ls,
-    stride_tb, stride_tn, stride_ab, stride_ah,
+    stride_tb, stride_tn, stride_ab, stride_ah, stride_sb, stride_sh,
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    HAS_DESCALE: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -64,7 +66,11 @@ def kvcache_attn_fwd_kernel(
     ``IS_VARLEN_Q``: Q, Out and Lse are packed over the sequences (total_q rows, batch strides 0;
     ``seqlen_q`` is then total_q), sequence b's queries at rows ``CuSeqlensQ[b]`` on.
     ``HAS_LEFTPAD``: sequence b's keys start at slot ``CacheLeftpad[b]``; masks and ALiBi stay in slot
-    indices, which is the same rule as counting from the first key (the end is what aligns them)."""
+    indices, which is the same rule as counting from the first key (the end is what aligns them).
+    ``HAS_DESCALE``: the cache is float8; K and V of (sequence b, KV head h) are the stored values times
+    ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
+    widened to Q's dtype for the dots, the K scale folded into the score scale and the V scale into
+    the output."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
@@ -138,6 +144,10 @@ def kvcache_attn_fwd_kernel(
     if HAS_SINK:  # the sink joins the denominator once: in the first split, which the merge then weights
         m_i = tl.where(i_split == 0, m_i, float("-inf"))
         l_i = tl.where(i_split == 0, l_i, 0.0)
+    if HAS_DESCALE:  # s = (q · k₈) · k_descale · scale
+        k_descale = tl.load(KDescale + i_b * stride_sb + i_hk * stride_sh)
+        qk_scale = qk_scale * k_descale
+        softcap_scale = softcap_scale * k_descale
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         cols = start_n + o_n
@@ -159,13 +169,16 @@ def kvcache_attn_fwd_kernel(
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         b_v = tl.load(v_base + v_rows[:, None] + o_dv[None, :] * stride_vd,
                       mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if HAS_DESCALE:  # float8 → Q's dtype: exact, the scales applied outside the dots
+            b_k = b_k.to(b_q.dtype)
+            b_v = b_v.to(b_q.dtype)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         # head dims beyond one chunk (absorbed MLA: 576): the rest of Q·Kᵀ chunk by chunk, Q re-read
         for d0 in tl.static_range(BLOCK_D, HEAD_DIM, BLOCK_D):
             m_c = (d0 + o_d) < HEAD_DIM
             b_qc = tl.load(q_rows + (d0 + o_d)[None, :] * stride_qd, mask=m_r[:, None] & m_c[None, :], other=0.0)
             b_kc = tl.load(k_base + k_rows[:, None] + (d0 + o_d)[None, :] * stride_kd,
-                           mask=m_n[:, None] & m_c[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                           mask=m_n[:, None] & m_c[None, :], other=0.0).to(b_q.dtype)  # [BLOCK_N, BLOCK_D]
             qk = tl.dot(b_qc, tl.trans(b_kc), qk, input_precision=DOT_PRECISION)
         s = scores_log2(qk, o_q[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, softcap_log2,
                          alibi_slope_log2, HAS_SOFTCAP, HAS_ALIBI)
@@ -185,6 +198,8 @@ def kvcache_attn_fwd_kernel(
 
     # a split that saw no key writes output 0 and lse -inf: the merge gives it weight 0
     out, lse = normalise(acc, l_i, m_i)
+    if HAS_DESCALE:  # o = P · (v₈ · v_descale)
+        out = out * tl.load(VDescale + i_b * stride_sb + i_hk * stride_sh)
     out_base = Out + i_split * stride_op + i_b.to(tl.int64) * stride_ob
     p_o = out_base + (q_start + o_q[:, None]) * stride_os + o_hq[:, None] * stride_oh + o_dv[None, :] * stride_od
     tl.store(p_o, out.to(Out.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
@@ -193,21 +208,39 @@ def kvcache_attn_fwd_kernel(
 
 
 @triton.jit
+def _round_to_float8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """float32 x (within the format's range) rounded to the nearest float8 value, ties to even, still as
+    float32: the conversion that follows is then exact, whatever rounding the converter does (Triton's
+    interpreter does not round to nearest). Normal values keep ``MANTISSA`` bits (rounding the bit
+    pattern); below 2^``MIN_EXPONENT`` the step is fixed, and a float32 add rounds to it."""
+    SHIFT: tl.constexpr = 23 - MANTISSA
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & ~((1 << SHIFT) - 1)
+    normal = bits.to(tl.float32, bitcast=True)
+    magic: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXPONENT - MANTISSA)  # adds with a step of 2^(MIN_EXPONENT - MANTISSA)
+    subnormal = (x + magic) - magic
+    return tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, subnormal, normal)
+
+
+@triton.jit
 def kvcache_append_kernel(
-    K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable, CuSeqlensNew,
+    K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable, CuSeqlensNew, KDescale, VDescale,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_wb, stride_ws, stride_wh, stride_wd,
-    stride_tb, stride_tn,
+    stride_tb, stride_tn, stride_sb, stride_sh,
     seqlen_new, page_size, capacity, cache_rows,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DESCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_EXPONENT: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
     WIDE: tl.constexpr,
 ):
     """Write new keys/values k, v [B, Sn, Hk, D] into the cache at positions cache_seqlens[b] + i; with
     ``IS_VARLEN`` k, v are packed [total_new, Hk, D] (batch strides 0; ``seqlen_new`` is total_new),
-    sequence b's at rows ``CuSeqlensNew[b]`` on.
+    sequence b's at rows ``CuSeqlensNew[b]`` on. ``HAS_DESCALE``: the cache is float8 and a new value x is
+    stored as x / descale[b, h], clamped to ±``FP8_MAX`` and rounded to nearest even
+    (:func:`_round_to_float8`).
 
     One program per (block of new rows, KV head, sequence). A write lands only where it is inside
     the cache: position in [0, capacity), cache row (``CacheBatchIdx``) or page (``BlockTable``) in
@@ -255,6 +288,13 @@ def kvcache_append_kernel(
                   mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + rows[:, None] * stride_vs + o_dv[None, :] * stride_vd,
                   mask=m_s[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_S, BLOCK_DV]
+    if HAS_DESCALE:
+        k_descale = tl.load(KDescale + i_b * stride_sb + i_h * stride_sh)
+        v_descale = tl.load(VDescale + i_b * stride_sb + i_h * stride_sh)
+        b_k = _round_to_float8(tl.clamp(b_k.to(tl.float32) / k_descale, -FP8_MAX, FP8_MAX), FP8_MANTISSA,
+                               FP8_MIN_EXPONENT).to(KCache.dtype.element_ty)
+        b_v = _round_to_float8(tl.clamp(b_v.to(tl.float32) / v_descale, -FP8_MAX, FP8_MAX), FP8_MANTISSA,
+                               FP8_MIN_EXPONENT).to(VCache.dtype.element_ty)
     tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k,
              mask=valid[:, None] & m_d[None, :])
     # V after K: where v_cache is a view into k_cache (absorbed MLA), the value channels are written last

@@ -394,7 +394,7 @@ def _packed_rows(part: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
                               config: dict | None = None, learnable_sink=None, cu_seqlens_q=None,
-                              max_seqlen_q: int = 0, cache_leftpad=None):
+                              max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None):
     """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv]
     with block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
@@ -402,7 +402,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     tuning); learnable_sink [Hq] float32. → (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32).
     With ``cu_seqlens_q`` (int32 [B + 1]), q is packed [total_q, Hq, D], the longest sequence has
     ``max_seqlen_q`` queries, and → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every
-    sequence get 0 and −inf. ``cache_leftpad`` int32 [B]: sequence b's keys start at that slot."""
+    sequence get 0 and −inf. ``cache_leftpad`` int32 [B]: sequence b's keys start at that slot.
+    ``k_descale``, ``v_descale`` float32 [B, Hk]: a float8 cache's scales (both given, or neither)."""
     varlen = cu_seqlens_q is not None
     if varlen:  # one "batch row" of total_q tokens, each sequence at its own rows
         total_q, nheads_q, head_dim = q.shape
@@ -446,6 +447,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             AlibiSlopes=slopes, Sinks=slopes if learnable_sink is None else learnable_sink,
             CuSeqlensQ=cu_seqlens_q if varlen else seqlens_k,
             CacheLeftpad=seqlens_k if cache_leftpad is None else cache_leftpad,
+            KDescale=slopes if k_descale is None else k_descale, VDescale=slopes if v_descale is None else v_descale,
+            **_descale_strides(k_descale),
             **_token_strides("q", q), **_strides("k", "bshd", k_cache.stride()),
             **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", _packed_rows(out_part, varlen)),
             **_strides("l", "pbhs", _packed_rows(lse_part, varlen)), **_strides("t", "bn", table.stride()),
@@ -456,7 +459,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             softcap_scale=options.softmax_scale / softcap if softcap > 0 else 0.0, softcap_log2=softcap * LOG2E,
             window_left=options.window_left, window_right=options.window_right,
             IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN_Q=varlen,
-            HAS_LEFTPAD=cache_leftpad is not None,
+            HAS_LEFTPAD=cache_leftpad is not None, HAS_DESCALE=k_descale is not None,
             MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
             HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
@@ -467,12 +470,26 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     return (out[0], lse[0]) if varlen else (out, lse)
 
 
+def _float8_format(dtype) -> dict:
+    """The float8 cache format's largest value, mantissa bits and smallest normal exponent (zeros without one)."""
+    if dtype is None:
+        return dict(FP8_MAX=0.0, FP8_MANTISSA=0, FP8_MIN_EXPONENT=0)
+    info = torch.finfo(dtype)
+    return dict(FP8_MAX=info.max, FP8_MANTISSA=round(-math.log2(info.eps)), FP8_MIN_EXPONENT=round(math.log2(info.tiny)))
+
+
+def _descale_strides(k_descale) -> dict:
+    """(batch, head) strides of the float8 scales (k's and v's are both (batch, nheads_k), contiguous)."""
+    return _strides("s", "bh", (0, 0) if k_descale is None else k_descale.stride())
+
+
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                   cu_seqlens_new=None, max_seqlen_new: int = 0) -> None:
+                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
     """Write k [B, Sn, Hk, D], v [B, Sn, Hk, Dv] into the caches in place at positions cache_seqlens[b] +
     0..Sn-1; writes outside the cache are dropped (``decode.kvcache_append_kernel``). With
     ``cu_seqlens_new`` (int32 [B + 1]) k, v are packed [total_new, Hk, D], the longest sequence
-    appending ``max_seqlen_new``."""
+    appending ``max_seqlen_new``. A float8 cache stores x / descale (``k_descale``, ``v_descale`` [B, Hk]),
+    saturated to the format's largest finite value."""
     varlen = cu_seqlens_new is not None
     if varlen:
         (_, nheads_k, head_dim), batch, seqlen_new = k.shape, cache_seqlens.shape[0], max_seqlen_new
@@ -488,12 +505,15 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
             K=k, V=v, KCache=k_cache, VCache=v_cache, CacheSeqlens=cache_seqlens,
             CacheBatchIdx=cache_seqlens if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
             CuSeqlensNew=cu_seqlens_new if varlen else cache_seqlens,
+            KDescale=cache_seqlens if k_descale is None else k_descale,
+            VDescale=cache_seqlens if v_descale is None else v_descale, **_descale_strides(k_descale),
             **_token_strides("k", k), **_token_strides("v", v),
             **_strides("c", "bshd", k_cache.stride()), **_strides("w", "bshd", v_cache.stride()),
             **_strides("t", "bn", table.stride()),
             seqlen_new=k.shape[0] if varlen else seqlen_new, page_size=k_cache.shape[1], capacity=capacity,
             cache_rows=k_cache.shape[0], IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None,
-            IS_VARLEN=varlen, HEAD_DIM=head_dim,
+            IS_VARLEN=varlen, HAS_DESCALE=k_descale is not None,
+            **_float8_format(k_cache.dtype if k_descale is not None else None), HEAD_DIM=head_dim,
             BLOCK_D=configs.block_d(head_dim), HEAD_DIM_V=v.shape[-1], BLOCK_DV=configs.block_d(v.shape[-1]),
             BLOCK_S=block_s, WIDE=wide_offsets(k=k, v=v, k_cache=k_cache, v_cache=v_cache),
         )
