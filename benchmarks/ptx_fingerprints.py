@@ -7,7 +7,7 @@ a hash of the PTX without its line information, its line count, and its count of
 Run it on two trees to show that a change leaves a kernel's machine code as it was:
 
     PYTHONPATH=/path/to/old/src python benchmarks/ptx_fingerprints.py old
-    PYTHONPATH=src python benchmarks/ptx_fingerprints.py new --wide
+    PYTHONPATH=src python benchmarks/ptx_fingerprints.py new --wide --serving
 """
 
 import argparse
@@ -54,6 +54,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("label")
     parser.add_argument("--wide", action="store_true", help="also compile calls past 2^31 elements")
+    parser.add_argument("--serving", action="store_true",
+                        help="also compile the serving variants: packed queries, cache_leftpad, a float8 cache")
     args = parser.parse_args()
     triton.runtime.driver.set_active(_Sm90Target())
     from flashtile._options import AttentionOptions, AttentionTensors
@@ -64,7 +66,9 @@ def main():
     def compile_instead(kernel, grid, **arguments):
         options = {name: arguments.pop(name) for name in ("num_warps", "num_stages") if name in arguments}
         compiled = kernel.warmup(*[arguments[name] for name in kernel.arg_names], grid=grid, **options)
-        results[f"{args.label}:{kernel.fn.__name__}:WIDE={arguments.get('WIDE')}"] = fingerprint(compiled.asm["ptx"])
+        variant = ",".join(f"{name}={arguments[name]}" for name in ("WIDE", "IS_VARLEN_Q", "HAS_LEFTPAD", "HAS_DESCALE")
+                           if name in arguments)
+        results[f"{args.label}:{kernel.fn.__name__}:{variant}"] = fingerprint(compiled.asm["ptx"])
 
     launch._launch = compile_instead
 
@@ -86,6 +90,19 @@ def main():
         wide = big.as_strided((1, 1100, 4, 128), (2**31, 2**21, 128, 1))
         attention(wide, small[:1], small[:1])
         decode(torch.empty(1, 1, 8, 128, dtype=torch.bfloat16), wide[:, :, :1])
+    if args.serving:
+        seqlens = torch.full((2,), 1000, dtype=torch.int32)
+        launch.kvcache_attention_forward(torch.empty(7, 8, 128, dtype=torch.bfloat16), small, small, seqlens, None,
+                                         None, AttentionOptions(0.1), num_splits=2,
+                                         cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=4,
+                                         cache_leftpad=seqlens)
+        cache8 = torch.empty(2, 1100, 4, 128, dtype=torch.float8_e4m3fn)
+        scales = torch.ones(2, 4)
+        launch.kvcache_attention_forward(torch.empty(2, 1, 8, 128, dtype=torch.bfloat16), cache8, cache8, seqlens,
+                                         None, None, AttentionOptions(0.1), num_splits=2, k_descale=scales,
+                                         v_descale=scales)
+        new = torch.empty(2, 1, 4, 128, dtype=torch.bfloat16)
+        launch.kvcache_append(cache8, cache8, new, new, seqlens, k_descale=scales, v_descale=scales)
     for key, value in sorted(results.items()):
         print(key, json.dumps(value))
 

@@ -9,7 +9,10 @@ a chunk of new queries sees the whole cached prefix. Judged against float64 by f
 Grids are small because the interpreter runs each program in numpy: ~30 s on 2 CPU cores.
 """
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -363,3 +366,16 @@ def test_fp8_validation():
                                                                                                        device=DEVICE))
     with pytest.raises(TypeError, match="v_cache must be a 4-D torch.float8_e4m3fn tensor"):
         flashtile.flash_attn_with_kvcache(q, cache8, cache8.to(torch.float8_e5m2))
+
+
+def test_continuous_batching_example_runs():
+    # the engine-loop example, briefly: it raises if any request's attention differs from eager attention
+    path = Path(__file__).parents[1] / "examples" / "continuous_batching.py"
+    spec = importlib.util.spec_from_file_location("continuous_batching", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # its dataclasses look their module up there
+    spec.loader.exec_module(example)
+    result = example.main(["--device", DEVICE, "--dtype", "float32", "--requests", "4", "--chunk", "8",
+                           "--page-size", "4"])
+    assert result["requests"] == 4 and result["free_pages"] == 64
+    assert result["max_error"] <= result["tolerance"]
