@@ -92,3 +92,40 @@ def test_ops_pass_opcheck(causal):
     fwd_args, bwd_args = _op_args(causal)
     torch.library.opcheck(torch.ops.flashtile.fwd.default, fwd_args)
     torch.library.opcheck(torch.ops.flashtile.bwd.default, bwd_args)
+
+
+def _decode_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                             block_table=block_table, causal=True)
+
+
+def test_compile_fullgraph_decode_step(backend):
+    # a paged decoding step (append + attention, both registered operators) under torch.compile with
+    # fullgraph: no graph break; the caches mutated as in eager; the same results for a changed
+    # cache_seqlens without recompiling for it (its values are data)
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(8, 16, 2, 32, generator=g).to(DEVICE) for _ in range(2))
+    block_table = torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4)
+    q = torch.randn(2, 1, 4, 32, generator=g).to(DEVICE)
+    k, v = (torch.randn(2, 1, 2, 32, generator=g).to(DEVICE) for _ in range(2))
+    compiled = torch.compile(_decode_step, fullgraph=True, backend="aot_eager")
+    for lengths in ([5, 40], [17, 2]):
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        eager_caches = [t.clone() for t in (k_cache, v_cache)]
+        expected = _decode_step(q, *eager_caches, k, v, cache_seqlens, block_table)
+        out = compiled(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
+
+
+def test_kvcache_ops_pass_opcheck():
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, device=DEVICE)
+    k_cache, v_cache = torch.randn(2, 20, 2, 16, device=DEVICE), torch.randn(2, 20, 2, 16, device=DEVICE)
+    seqlens = torch.tensor([7, 20], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(torch.ops.flashtile.kvcache_fwd.default,
+                          (q, k_cache, v_cache, seqlens, None, None, 0.25, -1, 0, 0.0, None, 2, None, None, 0, None,
+                           None, None))
+    new = torch.randn(2, 1, 2, 16, device=DEVICE)
+    torch.library.opcheck(torch.ops.flashtile.kvcache_append.default,
+                          (k_cache, v_cache, new, new, seqlens - 1, None, None, None, 0, None, None))

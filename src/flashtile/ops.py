@@ -264,17 +264,71 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
 # KV-cache forward and merging, by device
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
-    """Write k, v [B, Sn, Hk, D] (or packed [total_new, Hk, D] with ``cu_seqlens_new``) into the caches
-    in place at cache_seqlens[b] + 0..Sn-1; a write outside the cache is dropped (the Triton kernel,
-    or the reference's indexing on the CPU path); a float8 cache stores them divided by its scales."""
+def _kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
+                    max_seqlen_new, k_descale, v_descale) -> None:
     if uses_triton(k):
         launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
                               max_seqlen_new, k_descale, v_descale)
     else:
         reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                            cu_seqlens_new, k_descale, v_descale)
+
+
+def _kvcache_append_fake(*arguments) -> None:
+    return None
+
+
+def _kvcache_fwd(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
+                 window_right, softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q, max_seqlen_q,
+                 cache_leftpad, k_descale, v_descale):
+    options = AttentionOptions(softmax_scale, window_left, window_right, softcap)
+    if uses_triton(q):
+        return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                                                options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
+                                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                                cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+    out, lse = reference.kvcache_attention_reference(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, False,
+        options.window, softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
+        cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+    )
+    return out.to(q.dtype), lse.float()
+
+
+def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, *arguments):
+    cu_seqlens_q = arguments[-5]
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+    if cu_seqlens_q is not None:  # packed: lse (Hq, total_q)
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+_KVCACHE_SCHEMAS = {
+    "kvcache_append": "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
+                      "Tensor? cache_batch_idx, Tensor? block_table, Tensor? cu_seqlens_new, SymInt max_seqlen_new, "
+                      "Tensor? k_descale, Tensor? v_descale) -> ()",
+    "kvcache_fwd": "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+                   "Tensor? block_table, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
+                   "Tensor? alibi_slopes, SymInt num_splits, Tensor? learnable_sink, Tensor? cu_seqlens_q, "
+                   "SymInt max_seqlen_q, Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale) -> (Tensor, Tensor)",
+}
+if not hasattr(torch.ops.flashtile, "kvcache_fwd"):  # as the attention operators above
+    _KVCACHE_LIBRARY = torch.library.Library("flashtile", "FRAGMENT")
+    for _name, _kernel, _fake in (("kvcache_append", _kvcache_append, _kvcache_append_fake),
+                                  ("kvcache_fwd", _kvcache_fwd, _kvcache_fwd_fake)):
+        _KVCACHE_LIBRARY.define(_KVCACHE_SCHEMAS[_name], tags=(torch.Tag.pt2_compliant_tag,))
+        _KVCACHE_LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_KVCACHE_LIBRARY)
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
+                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
+    """Write k, v [B, Sn, Hk, D] (or packed [total_new, Hk, D] with ``cu_seqlens_new``) into the caches
+    in place at cache_seqlens[b] + 0..Sn-1; a write outside the cache is dropped (the Triton kernel,
+    or the reference's indexing on the CPU path); a float8 cache stores them divided by its scales.
+    The operator ``flashtile::kvcache_append`` (it mutates the caches; torch.compile traces it)."""
+    torch.ops.flashtile.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                       cu_seqlens_new, max_seqlen_new, k_descale, v_descale)
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
@@ -284,18 +338,12 @@ def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_tab
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
     and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot;
-    ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales."""
-    if uses_triton(q):
-        return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                                options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
-                                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                                cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
-    out, lse = reference.kvcache_attention_reference(
-        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, False,
-        options.window, options.softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
-        cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
-    )
-    return out.to(q.dtype), lse.float()
+    ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales. The operator ``flashtile::kvcache_fwd``
+    (no autograd; its fake implementation gives the shapes to torch.compile)."""
+    return torch.ops.flashtile.kvcache_fwd(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                                           options.softmax_scale, options.window_left, options.window_right,
+                                           options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
+                                           max_seqlen_q, cache_leftpad, k_descale, v_descale)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):
