@@ -1,0 +1,148 @@
+"""Timings of the eighth session's features on a GPU, peers in the same run (medians of do_bench).
+
+Written on 2026-12-05 without a GPU (none was lent): not yet run. Each case prints one line and
+goes into ``--out`` (JSON with date, device and versions):
+
+* sink: flash_attn_func bf16 causal (2, 4096, 32:8 heads, d128) with and without learnable_sink,
+  forward and forward+backward (the sink's cost; NOTES.md's prediction);
+* mla: flash_attn_func 192/128 (2, 4096, 16 heads) causal, forward and forward+backward, against
+  SDPA (the backend it picks for v ≠ q head dims);
+* wide: (1, 524288, 32, 128) bf16 causal forward, flashtile (64-bit offsets) against SDPA's flash
+  and cuDNN backends (the issue's case; ~12 GiB of inputs);
+* fp8-decode: flash_attn_with_kvcache, batch 16, 8192 cached keys, 32:8 heads, d128, bf16 cache
+  against a float8_e4m3fn one (bytes per step halve);
+* paged-prefill: flash_attn_varlen_func over a paged cache (page 64) against the contiguous varlen
+  call, 8 sequences of 1024 new queries over 4096 keys.
+
+    PYTHONPATH=src python benchmarks/features_round.py --out $OUT/features.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import flashtile
+
+BF16 = torch.bfloat16
+
+
+def rand(*shape, dtype=BF16, grad=False):
+    return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(grad)
+
+
+def fwd_bwd(call):
+    def run():
+        out = call()
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def timed(name, fn, results, flops=None):
+    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    results[name] = dict(ms=ms, tflops=None if flops is None else flops / ms * 1e-9)
+    print(f"{name:48s} {ms * 1e3:10.1f} µs" + ("" if flops is None else f"  {flops / ms * 1e-9:7.1f} TFLOP/s"))
+
+
+def sink_cases(results):
+    q, k, v = rand(2, 4096, 32, 128, grad=True), rand(2, 4096, 8, 128, grad=True), rand(2, 4096, 8, 128, grad=True)
+    sink = torch.zeros(32, device="cuda", requires_grad=True)
+    flops = 4 * 2 * 32 * 4096 * 4096 * 128 * 0.5
+    for label, kwargs in (("no sink", {}), ("sink", dict(learnable_sink=sink))):
+        with torch.no_grad():
+            timed(f"sink: fwd {label}", lambda: flashtile.flash_attn_func(q, k, v, causal=True, **kwargs), results,
+                  flops)
+        timed(f"sink: fwd+bwd {label}", fwd_bwd(lambda: flashtile.flash_attn_func(q, k, v, causal=True, **kwargs)),
+              results, 3.5 * flops)
+
+
+def mla_cases(results):
+    q, k = rand(2, 4096, 16, 192, grad=True), rand(2, 4096, 16, 192, grad=True)
+    v = rand(2, 4096, 16, 128, grad=True)
+    flops = 2 * 2 * 16 * 4096 * 4096 * (192 + 128) * 0.5
+    with torch.no_grad():
+        timed("mla 192/128: fwd flashtile", lambda: flashtile.flash_attn_func(q, k, v, causal=True), results, flops)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        timed("mla 192/128: fwd sdpa", lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), results,
+              flops)
+    timed("mla 192/128: fwd+bwd flashtile", fwd_bwd(lambda: flashtile.flash_attn_func(q, k, v, causal=True)),
+          results, 3.5 * flops)
+    timed("mla 192/128: fwd+bwd sdpa", fwd_bwd(lambda: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)), results, 3.5 * flops)
+
+
+def wide_cases(results):
+    q, k, v = (rand(1, 524288, 32, 128) for _ in range(3))
+    flops = 4 * 32 * 524288 * 524288 * 128 * 0.5
+    with torch.no_grad():
+        timed("wide (1, 524288, 32, 128): fwd flashtile", lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+              results, flops)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    timed(f"wide (1, 524288, 32, 128): fwd sdpa {backend.name}",
+                          lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), results, flops)
+            except RuntimeError as error:
+                results[f"wide: sdpa {backend.name}"] = dict(error=str(error)[:200])
+
+
+def fp8_decode_cases(results):
+    batch, capacity = 16, 8192
+    q = rand(batch, 1, 32, 128)
+    cache = rand(batch, capacity, 8, 128)
+    seqlens = torch.full((batch,), capacity, dtype=torch.int32, device="cuda")
+    scales = torch.ones(batch, 8, device="cuda")
+    cache8 = cache.to(torch.float8_e4m3fn)
+    with torch.no_grad():
+        timed("fp8-decode: bf16 cache", lambda: flashtile.flash_attn_with_kvcache(q, cache, cache,
+                                                                                    cache_seqlens=seqlens), results)
+        timed("fp8-decode: float8_e4m3fn cache", lambda: flashtile.flash_attn_with_kvcache(
+            q, cache8, cache8, cache_seqlens=seqlens, k_descale=scales, v_descale=scales), results)
+
+
+def paged_prefill_cases(results):
+    batch, new, keys, page = 8, 1024, 4096, 64
+    q = rand(batch * new, 32, 128)
+    k, v = rand(batch * keys, 8, 128), rand(batch * keys, 8, 128)
+    cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
+    cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * keys
+    pages = keys // page
+    k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
+    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+    flops = 4 * batch * 32 * new * keys * 128 * 0.5  # causal: roughly half of the rectangle's work
+    with torch.no_grad():
+        timed("paged-prefill: contiguous varlen", lambda: flashtile.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, new, keys, causal=True), results, flops)
+        timed("paged-prefill: paged (page 64)", lambda: flashtile.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
+
+
+CASES = {"sink": sink_cases, "mla": mla_cases, "wide": wide_cases, "fp8-decode": fp8_decode_cases,
+         "paged-prefill": paged_prefill_cases}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__)
+    for case in args.cases:
+        CASES[case](results)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
