@@ -379,3 +379,36 @@ def test_continuous_batching_example_runs():
                            "--page-size", "4"])
     assert result["requests"] == 4 and result["free_pages"] == 64
     assert result["max_error"] <= result["tolerance"]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_out_is_written_in_place(backend, num_splits):
+    # an engine's preallocated output, strided (a slice of a wider buffer): written, returned, equal to the
+    # result without out; tokens outside every sequence get 0 there too
+    g = torch.Generator().manual_seed(10)
+    k_cache, v_cache, block_table = paged_cache(SEQUSED_K, 16, 2, 32, torch.bfloat16, g)
+    total = sum(SEQLENS_Q) + 2  # two trailing tokens that no sequence covers
+    q = torch.randn(total, 4, 32, generator=g).to(DEVICE, torch.bfloat16)
+    cu_seqlens_q, seqused_k = cumulative(SEQLENS_Q), torch.tensor(SEQUSED_K, dtype=torch.int32, device=DEVICE)
+    call = dict(causal=True, block_table=block_table, seqused_k=seqused_k)
+    expected = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max(SEQLENS_Q),
+                                                max(SEQUSED_K), **call)
+    buffer = torch.full((total, 4, 48), 7.0, device=DEVICE, dtype=torch.bfloat16)
+    out = buffer[..., 8:40]
+    returned = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max(SEQLENS_Q),
+                                                max(SEQUSED_K), out=out, **call)
+    assert returned.data_ptr() == out.data_ptr() and torch.equal(out, expected)
+    assert (out[-2:] == 0).all() and (buffer[..., :8] == 7).all() and (buffer[..., 40:] == 7).all()
+    # flash_attn_with_kvcache, batched, with splits
+    q4 = q[:2 * 3].view(2, 3, 4, 32)
+    caches = [t[:, :, :, :].clone() for t in (k_cache, v_cache)]
+    lengths = torch.tensor([20, 37], dtype=torch.int32, device=DEVICE)
+    expected = flashtile.flash_attn_with_kvcache(q4, *caches, cache_seqlens=lengths, block_table=block_table[:2],
+                                                 num_splits=num_splits)
+    out = torch.empty_like(expected)
+    returned = flashtile.flash_attn_with_kvcache(q4, *caches, cache_seqlens=lengths, block_table=block_table[:2],
+                                                 num_splits=num_splits, out=out)
+    assert returned is out and torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 3, 4, 32\)"):
+        flashtile.flash_attn_with_kvcache(q4, *caches, cache_seqlens=lengths, block_table=block_table[:2],
+                                          out=out[:1])

@@ -225,6 +225,19 @@ def check_descale(k_descale, v_descale, k_cache, batch: int, device):
     return tuple(scales)
 
 
+def check_out(out, shape: tuple, dtype, device):
+    """``out``: None, or a tensor of the result's shape, dtype and device (written in place)."""
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype:
+        raise TypeError(f"out must be a {dtype} tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out must be on {device}, got {out.device}")
+    return out
+
+
 def check_cache_leftpad(cache_leftpad, batch: int, block_table, device):
     """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn)."""
     if cache_leftpad is None:

@@ -71,6 +71,7 @@ def flash_attn_with_kvcache(
     cache_leftpad: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ):
     """Attention of q against a KV cache, appending new keys/values first; flash-attn 2's semantics.
 
@@ -123,6 +124,8 @@ def flash_attn_with_kvcache(
             (float8_e4m3fn or float8_e5m2; q in float16/bfloat16): the keys and values are the stored
             values times these scales (default 1); appended k, v are stored divided by them, clamped
             to the format's range and rounded to nearest. Accumulation stays float32.
+        out: keyword only, optional: a tensor of the output's shape and q's dtype (any strides) that
+            the kernel writes the result into (an engine's preallocated buffer); returned.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) in q's dtype, and with return_softmax_lse the
@@ -139,6 +142,7 @@ def flash_attn_with_kvcache(
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
+    out = _validate.check_out(out, (*q.shape[:-1], v_cache.shape[-1]), q.dtype, q.device)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
     num_splits = _validate.check_num_splits(num_splits)
@@ -158,13 +162,14 @@ def flash_attn_with_kvcache(
         seqlens_k = cache_seqlens + (_packed_lengths(cu_seqlens_q, k.shape[0]) if packed else k.shape[1])
 
     if q.numel() == 0 or batch == 0:
-        out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device) if out is None \
+            else out.zero_()
         lse_shape = (nheads_q, q.shape[0]) if packed else (batch, nheads_q, q.shape[1])
         lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
                                          alibi_slopes, num_splits, learnable_sink, cu_seqlens_q if packed else None,
-                                         max_seqlen_q or 0, cache_leftpad, k_descale, v_descale)
+                                         max_seqlen_q or 0, cache_leftpad, k_descale, v_descale, out)
     return (out, lse) if return_softmax_lse else out
 
 

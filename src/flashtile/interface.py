@@ -264,6 +264,7 @@ def flash_attn_varlen_func(
     seqused_k: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ):
     """Attention over a batch of sequences packed without padding, as flash-attn 2's; with a paged
     KV cache (``block_table``), the call vLLM makes for every step of a mixed batch.
@@ -285,6 +286,8 @@ def flash_attn_varlen_func(
         seqused_k: optional (batch,) int32, with block_table: the keys each sequence uses.
         k_descale, v_descale: optional (batch, nheads_k) float32, with block_table: the scales of a
             float8 cache, as in :func:`flash_attn_with_kvcache`.
+        out: optional, with block_table: a (total_q, nheads, headdim_v) tensor in q's dtype that the
+            kernel writes the result into (vLLM's preallocated output).
         {options}
 
     Returns:
@@ -297,8 +300,8 @@ def flash_attn_varlen_func(
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table,
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, learnable_sink=learnable_sink,
-                             return_attn_probs=return_attn_probs, k_descale=k_descale, v_descale=v_descale)
-    for name, t in (("seqused_k", seqused_k), ("k_descale", k_descale), ("v_descale", v_descale)):
+                             return_attn_probs=return_attn_probs, k_descale=k_descale, v_descale=v_descale, out=out)
+    for name, t in (("seqused_k", seqused_k), ("k_descale", k_descale), ("v_descale", v_descale), ("out", out)):
         if t is not None:
             raise NotImplementedError(f"{name} is supported with block_table (a paged KV cache) only")
     _validate.check_qkv(q, k, v, heads_axis=1, packed=True)
@@ -313,7 +316,7 @@ def flash_attn_varlen_func(
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, block_table, *,
                   softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, learnable_sink,
-                  return_attn_probs, k_descale, v_descale):
+                  return_attn_probs, k_descale, v_descale, out):
     """flash_attn_varlen_func over a paged cache: the KV-cache kernel with packed queries (forward only)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError("flash_attn_varlen_func with block_table (a paged KV cache) has no backward: "
@@ -331,13 +334,14 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
+    out = _validate.check_out(out, (*q.shape[:-1], v_cache.shape[-1]), q.dtype, q.device)
     if q.numel() == 0 or batch == 0:
-        out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
+        out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1])) if out is None else out.zero_()
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table, options, alibi_slopes,
                                          learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
-                                         max_seqlen_q=max_seqlen_q, k_descale=k_descale, v_descale=v_descale)
+                                         max_seqlen_q=max_seqlen_q, k_descale=k_descale, v_descale=v_descale, out=out)
     return (out, lse, None) if return_attn_probs else out
 
 

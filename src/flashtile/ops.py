@@ -280,19 +280,30 @@ def _kvcache_append_fake(*arguments) -> None:
 
 def _kvcache_fwd(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
                  window_right, softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q, max_seqlen_q,
-                 cache_leftpad, k_descale, v_descale):
+                 cache_leftpad, k_descale, v_descale, out=None):
     options = AttentionOptions(softmax_scale, window_left, window_right, softcap)
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                 options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
                                                 cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                                cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
-    out, lse = reference.kvcache_attention_reference(
+                                                cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+                                                out=out)
+    result, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, False,
         options.window, softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
         cu_seqlens_q=cu_seqlens_q, cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
     )
-    return out.to(q.dtype), lse.float()
+    # the CPU path computes in float32: its result is rounded into out (the GPU kernels write out directly)
+    return (result.to(q.dtype) if out is None else out.copy_(result)), lse.float()
+
+
+def _kvcache_fwd_out(q, k_cache, v_cache, seqlens_k, *arguments):
+    *call, out = arguments
+    return _kvcache_fwd(q, k_cache, v_cache, seqlens_k, *call, out=out)[1]
+
+
+def _kvcache_fwd_out_fake(q, k_cache, v_cache, seqlens_k, *arguments):
+    return _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, *arguments[:-1])[1]
 
 
 def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, *arguments):
@@ -307,15 +318,19 @@ _KVCACHE_SCHEMAS = {
     "kvcache_append": "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
                       "Tensor? cache_batch_idx, Tensor? block_table, Tensor? cu_seqlens_new, SymInt max_seqlen_new, "
                       "Tensor? k_descale, Tensor? v_descale) -> ()",
-    "kvcache_fwd": "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
-                   "Tensor? block_table, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, "
-                   "Tensor? alibi_slopes, SymInt num_splits, Tensor? learnable_sink, Tensor? cu_seqlens_q, "
-                   "SymInt max_seqlen_q, Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale) -> (Tensor, Tensor)",
 }
+_KVCACHE_CALL = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, Tensor? block_table, "
+                 "float softmax_scale, SymInt window_left, SymInt window_right, float softcap, Tensor? alibi_slopes, "
+                 "SymInt num_splits, Tensor? learnable_sink, Tensor? cu_seqlens_q, SymInt max_seqlen_q, "
+                 "Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale")
+_KVCACHE_SCHEMAS["kvcache_fwd"] = f"kvcache_fwd({_KVCACHE_CALL}) -> (Tensor, Tensor)"
+# the same call writing its output into ``out`` (an engine's preallocated buffer); returns the lse
+_KVCACHE_SCHEMAS["kvcache_fwd_out"] = f"kvcache_fwd_out({_KVCACHE_CALL}, Tensor(c!) out) -> Tensor"
 if not hasattr(torch.ops.flashtile, "kvcache_fwd"):  # as the attention operators above
     _KVCACHE_LIBRARY = torch.library.Library("flashtile", "FRAGMENT")
     for _name, _kernel, _fake in (("kvcache_append", _kvcache_append, _kvcache_append_fake),
-                                  ("kvcache_fwd", _kvcache_fwd, _kvcache_fwd_fake)):
+                                  ("kvcache_fwd", _kvcache_fwd, _kvcache_fwd_fake),
+                                  ("kvcache_fwd_out", _kvcache_fwd_out, _kvcache_fwd_out_fake)):
         _KVCACHE_LIBRARY.define(_KVCACHE_SCHEMAS[_name], tags=(torch.Tag.pt2_compliant_tag,))
         _KVCACHE_LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_KVCACHE_LIBRARY)
@@ -333,17 +348,20 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
                       alibi_slopes=None, num_splits: int = 0, learnable_sink=None, cu_seqlens_q=None,
-                      max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None):
+                      max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
     and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot;
     ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales. The operator ``flashtile::kvcache_fwd``
-    (no autograd; its fake implementation gives the shapes to torch.compile)."""
-    return torch.ops.flashtile.kvcache_fwd(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                           options.softmax_scale, options.window_left, options.window_right,
-                                           options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
-                                           max_seqlen_q, cache_leftpad, k_descale, v_descale)
+    (no autograd; its fake implementation gives the shapes to torch.compile); with ``out``,
+    ``flashtile::kvcache_fwd_out``, which writes the output there → (out, lse)."""
+    call = (q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, options.window_left,
+            options.window_right, options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
+            max_seqlen_q, cache_leftpad, k_descale, v_descale)
+    if out is None:
+        return torch.ops.flashtile.kvcache_fwd(*call)
+    return out, torch.ops.flashtile.kvcache_fwd_out(*call, out)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):

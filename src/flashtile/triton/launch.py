@@ -394,7 +394,7 @@ def _packed_rows(part: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
                               config: dict | None = None, learnable_sink=None, cu_seqlens_q=None,
-                              max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None):
+                              max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None):
     """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv]
     with block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
@@ -403,7 +403,8 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     With ``cu_seqlens_q`` (int32 [B + 1]), q is packed [total_q, Hq, D], the longest sequence has
     ``max_seqlen_q`` queries, and → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every
     sequence get 0 and −inf. ``cache_leftpad`` int32 [B]: sequence b's keys start at that slot.
-    ``k_descale``, ``v_descale`` float32 [B, Hk]: a float8 cache's scales (both given, or neither)."""
+    ``k_descale``, ``v_descale`` float32 [B, Hk]: a float8 cache's scales (both given, or neither).
+    ``out``: the output's tensor (its shape, q's dtype, any strides), written in place."""
     varlen = cu_seqlens_q is not None
     if varlen:  # one "batch row" of total_q tokens, each sequence at its own rows
         total_q, nheads_q, head_dim = q.shape
@@ -423,7 +424,10 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
                                                q.dtype, max_seqlen_k, q.device, num_splits, config)
     # packed queries: tokens that no sequence covers are never written, so they start at 0 and -inf
     allocate = functools.partial(torch.zeros if varlen else torch.empty, device=q.device)
-    out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype)  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
+    if out is None:
+        out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype)  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
+    elif varlen:
+        out = out.zero_()[None]  # as allocated: tokens outside every sequence read 0
     lse = allocate((lead[0], nheads_q, rows), dtype=torch.float32)  # [B, Hq, Sq] or [1, Hq, total_q]
     if varlen:
         lse.fill_(float("-inf"))
