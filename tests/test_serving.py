@@ -412,3 +412,14 @@ def test_out_is_written_in_place(backend, num_splits):
     with pytest.raises(ValueError, match=r"out must have shape \(2, 3, 4, 32\)"):
         flashtile.flash_attn_with_kvcache(q4, *caches, cache_seqlens=lengths, block_table=block_table[:2],
                                           out=out[:1])
+
+
+def test_paged_varlen_names_seqused_k_in_its_errors(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_CHECK_INPUTS", "1")  # a GPU's index tensors are read only when asked
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, block_table = paged_cache([10, 10], 16, 1, 16, torch.float16, g)
+    q = torch.randn(4, 2, 16, generator=g).to(DEVICE, torch.float16)
+    too_long = torch.tensor([10, 17], dtype=torch.int32, device=DEVICE)  # pages hold 16 slots
+    with pytest.raises(ValueError, match=r"seqused_k\[1\]=17 \(\+ 0 new\) does not fit a cache of 16"):
+        flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), None, 2, 17,
+                                         block_table=block_table, seqused_k=too_long)

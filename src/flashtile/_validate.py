@@ -332,10 +332,11 @@ def _check_int32(name, t, shape) -> None:
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                         cu_seqlens_q=None, max_seqlen_q=None) -> int:
+                         cu_seqlens_q=None, max_seqlen_q=None, seqlens_name: str = "cache_seqlens") -> int:
     """The tensors of ``flash_attn_with_kvcache`` (and of the paged varlen call) → the batch size; an
     int ``cache_seqlens`` must fit the cache. With ``cu_seqlens_q`` q and the new k, v are packed
-    (total_q, nheads, headdim), sequence b's at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])."""
+    (total_q, nheads, headdim), sequence b's at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]).
+    ``seqlens_name``: how the caller names ``cache_seqlens`` (the paged varlen call's ``seqused_k``)."""
     packed = cu_seqlens_q is not None
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if (k is None) != (v is None):
@@ -387,7 +388,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when k and v are appended to the cache")
     if isinstance(cache_seqlens, torch.Tensor):
-        _check_int32("cache_seqlens", cache_seqlens, (batch,))
+        _check_int32(seqlens_name, cache_seqlens, (batch,))
     elif cache_seqlens is not None and not isinstance(cache_seqlens, int):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     if block_table is not None:
@@ -404,7 +405,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         elif k_cache.shape[0] != batch:
             raise ValueError(f"batch sizes differ: {shapes}; pass cache_batch_idx to use other cache rows")
         capacity = k_cache.shape[1]
-    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+    for name, t in ((seqlens_name, cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
@@ -420,12 +421,12 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         if not 0 <= cache_seqlens or needed > capacity:
             raise ValueError(f"cache_seqlens={cache_seqlens} (+ {needed - cache_seqlens} new) does not fit "
                              f"a cache of {capacity} positions")
-    _check_kvcache_indices(k_cache, cache_seqlens, new_lengths, capacity, cache_batch_idx, block_table)
+    _check_kvcache_indices(k_cache, cache_seqlens, new_lengths, capacity, cache_batch_idx, block_table, seqlens_name)
     return batch
 
 
 def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths: list[int], capacity: int, cache_batch_idx,
-                           block_table) -> None:
+                           block_table, seqlens_name: str) -> None:
     """The values of the index tensors, where :func:`checks_contents` reads them: every sequence
     (with its ``new_lengths[b]`` new keys) fits the cache, cache rows and the pages it uses exist."""
     cache_rows, page_size = k_cache.shape[:2]
@@ -434,7 +435,7 @@ def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths: list[int], capac
         bad = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity - new_lengths[b]]
         if bad:
             b, n = bad[0]
-            raise ValueError(f"cache_seqlens[{b}]={n} (+ {new_lengths[b]} new) does not fit a cache of {capacity} "
+            raise ValueError(f"{seqlens_name}[{b}]={n} (+ {new_lengths[b]} new) does not fit a cache of {capacity} "
                              f"positions ({len(bad)} sequences out of range)")
     if cache_batch_idx is not None and checks_contents(cache_batch_idx):
         rows = cache_batch_idx.tolist()

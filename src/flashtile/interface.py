@@ -329,7 +329,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         _validate.check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # checked as seqused_k below
     batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, None, None, seqused_k, None, block_table,
-                                           cu_seqlens_q, max_seqlen_q)
+                                           cu_seqlens_q, max_seqlen_q, seqlens_name="seqused_k")
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
