@@ -255,7 +255,8 @@ def check_learnable_sink(learnable_sink, nheads: int, device):
     if learnable_sink is None:
         return None
     if not isinstance(learnable_sink, torch.Tensor) or learnable_sink.dtype != torch.float32:
-        raise TypeError(f"learnable_sink must be a float32 tensor, got {getattr(learnable_sink, 'dtype', learnable_sink)}")
+        got = getattr(learnable_sink, "dtype", learnable_sink)
+        raise TypeError(f"learnable_sink must be a float32 tensor, got {got}")
     if tuple(learnable_sink.shape) != (nheads,):
         raise ValueError(f"learnable_sink must have shape ({nheads},) (one logit per query head), "
                          f"got {tuple(learnable_sink.shape)}")
@@ -351,6 +352,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                                 f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
             if q.dtype not in (torch.float16, torch.bfloat16):
                 raise TypeError(f"a float8 KV cache needs float16 or bfloat16 queries, got q {q.dtype}")
+            if t.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
             continue
         check_tensors((name,), (t,), 3 if packed and name in ("q", "k", "v") else 4)
         if t.dtype != q.dtype:
@@ -409,15 +412,18 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    # each sequence's new keys: packed, from cu_seqlens_q where its values are free to read, else at most
-    # max_seqlen_q
-    new_lengths = [k.shape[1] if k is not None else 0] * batch
-    if packed and k is not None:
-        bounds = cu_seqlens_q.tolist() if checks_contents(cu_seqlens_q) else None
-        new_lengths = ([end - start for start, end in zip(bounds, bounds[1:])] if bounds is not None
-                       else [max_seqlen_q] * batch)
+    def new_lengths() -> list[int]:
+        """Each sequence's new keys: packed, from cu_seqlens_q where its values are free to read, else
+        at most max_seqlen_q. Built only where a check reads it (not on a GPU decoding step's path)."""
+        if packed and k is not None:
+            if checks_contents(cu_seqlens_q):
+                bounds = cu_seqlens_q.tolist()
+                return [end - start for start, end in zip(bounds, bounds[1:])]
+            return [max_seqlen_q] * batch
+        return [k.shape[1] if k is not None else 0] * batch
+
     if isinstance(cache_seqlens, int):
-        needed = cache_seqlens + max(new_lengths, default=0)
+        needed = cache_seqlens + max(new_lengths(), default=0)
         if not 0 <= cache_seqlens or needed > capacity:
             raise ValueError(f"cache_seqlens={cache_seqlens} (+ {needed - cache_seqlens} new) does not fit "
                              f"a cache of {capacity} positions")
@@ -425,12 +431,16 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     return batch
 
 
-def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths: list[int], capacity: int, cache_batch_idx,
+def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths, capacity: int, cache_batch_idx,
                            block_table, seqlens_name: str) -> None:
     """The values of the index tensors, where :func:`checks_contents` reads them: every sequence
-    (with its ``new_lengths[b]`` new keys) fits the cache, cache rows and the pages it uses exist."""
+    (with its ``new_lengths()[b]`` new keys) fits the cache, cache rows and the pages it uses exist."""
     cache_rows, page_size = k_cache.shape[:2]
-    if isinstance(cache_seqlens, torch.Tensor) and checks_contents(cache_seqlens):
+    reads_seqlens = isinstance(cache_seqlens, torch.Tensor) and checks_contents(cache_seqlens)
+    reads_table = block_table is not None and checks_contents(block_table)
+    if reads_seqlens or reads_table:
+        new_lengths = new_lengths()
+    if reads_seqlens:
         lengths = cache_seqlens.tolist()
         bad = [(b, n) for b, n in enumerate(lengths) if not 0 <= n <= capacity - new_lengths[b]]
         if bad:
@@ -443,7 +453,7 @@ def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths: list[int], capac
         if bad:
             raise ValueError(f"cache_batch_idx[{bad[0][0]}]={bad[0][1]} is not a row of the cache "
                              f"(0..{cache_rows - 1})")
-    if block_table is not None and checks_contents(block_table):
+    if reads_table:
         if isinstance(cache_seqlens, torch.Tensor):
             lengths = [n + new for n, new in zip(cache_seqlens.tolist(), new_lengths)]
         else:

@@ -142,7 +142,7 @@ def flash_attn_with_kvcache(
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
-    out = _validate.check_out(out, (*q.shape[:-1], v_cache.shape[-1]), q.dtype, q.device)
+    out = _validate.check_out(out, ops.out_shape(q, v_cache), q.dtype, q.device)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, nheads_q, q.device)
     num_splits = _validate.check_num_splits(num_splits)
@@ -162,8 +162,7 @@ def flash_attn_with_kvcache(
         seqlens_k = cache_seqlens + (_packed_lengths(cu_seqlens_q, k.shape[0]) if packed else k.shape[1])
 
     if q.numel() == 0 or batch == 0:
-        out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device) if out is None \
-            else out.zero_()
+        out = q.new_zeros(ops.out_shape(q, v_cache)) if out is None else out.zero_()
         lse_shape = (nheads_q, q.shape[0]) if packed else (batch, nheads_q, q.shape[1])
         lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     else:

@@ -334,9 +334,9 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
-    out = _validate.check_out(out, (*q.shape[:-1], v_cache.shape[-1]), q.dtype, q.device)
+    out = _validate.check_out(out, ops.out_shape(q, v_cache), q.dtype, q.device)
     if q.numel() == 0 or batch == 0:
-        out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1])) if out is None else out.zero_()
+        out = q.new_zeros(ops.out_shape(q, v_cache)) if out is None else out.zero_()
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table, options, alibi_slopes,

@@ -41,7 +41,7 @@ from .triton import launch
 from .triton._interpreter import interpreting
 
 __all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_op", "kvcache_append",
-           "kvcache_attention", "merge_states", "uses_triton"]
+           "kvcache_attention", "merge_states", "out_shape", "uses_triton"]
 
 BACKENDS = {
     "cuda": "the Triton kernels on the GPU (on sm_90 the plain forward is the Gluon kernel)",
@@ -306,21 +306,21 @@ def _kvcache_fwd_out_fake(q, k_cache, v_cache, seqlens_k, *arguments):
     return _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, *arguments[:-1])[1]
 
 
-def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, *arguments):
-    cu_seqlens_q = arguments[-5]
-    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
+                      window_right, softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q, *rest):
+    out = q.new_empty(out_shape(q, v_cache))
     if cu_seqlens_q is not None:  # packed: lse (Hq, total_q)
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 _KVCACHE_SCHEMAS = {
-    "kvcache_append": "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cache_seqlens, "
-                      "Tensor? cache_batch_idx, Tensor? block_table, Tensor? cu_seqlens_new, SymInt max_seqlen_new, "
-                      "Tensor? k_descale, Tensor? v_descale) -> ()",
+    "kvcache_append": "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+                      "Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? block_table, Tensor? cu_seqlens_new, "
+                      "SymInt max_seqlen_new, Tensor? k_descale, Tensor? v_descale) -> ()",
 }
-_KVCACHE_CALL = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, Tensor? block_table, "
-                 "float softmax_scale, SymInt window_left, SymInt window_right, float softcap, Tensor? alibi_slopes, "
+_KVCACHE_CALL = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+                 "Tensor? block_table, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, Tensor? alibi_slopes, "
                  "SymInt num_splits, Tensor? learnable_sink, Tensor? cu_seqlens_q, SymInt max_seqlen_q, "
                  "Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale")
 _KVCACHE_SCHEMAS["kvcache_fwd"] = f"kvcache_fwd({_KVCACHE_CALL}) -> (Tensor, Tensor)"

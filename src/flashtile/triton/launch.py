@@ -153,7 +153,8 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
                  v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
     written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has
-    (the same for V), without a learnable sink, with a positive softmax scale (it masks raw scores before scaling them), from
+    (the same for V), without a learnable sink, with a positive softmax scale (it masks raw scores before
+    scaling them), from
     ``GLUON_MIN_SEQLEN[head_dim, causal]`` on, for tensors within 32-bit offsets."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     return (_plain(options, tensors) and tensors.learnable_sink is None and sm90_fwd is not None
@@ -424,21 +425,18 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
                                                q.dtype, max_seqlen_k, q.device, num_splits, config)
     # packed queries: tokens that no sequence covers are never written, so they start at 0 and -inf
     allocate = functools.partial(torch.zeros if varlen else torch.empty, device=q.device)
+    empty_lse = functools.partial(torch.full, fill_value=float("-inf")) if varlen else torch.empty
     if out is None:
         out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype)  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
     elif varlen:
         out = out.zero_()[None]  # as allocated: tokens outside every sequence read 0
-    lse = allocate((lead[0], nheads_q, rows), dtype=torch.float32)  # [B, Hq, Sq] or [1, Hq, total_q]
-    if varlen:
-        lse.fill_(float("-inf"))
+    lse = empty_lse((lead[0], nheads_q, rows), dtype=torch.float32, device=q.device)  # [B, Hq, Sq] or [1, Hq, total_q]
     if num_splits == 1:
         # one split: the kernel's partial result is the final one, written in q's dtype
         out_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
         out_part = allocate((num_splits, *out.shape), dtype=torch.float32)
-        lse_part = allocate((num_splits, *lse.shape), dtype=torch.float32)
-        if varlen:
-            lse_part.fill_(float("-inf"))
+        lse_part = empty_lse((num_splits, *lse.shape), dtype=torch.float32, device=q.device)
     wide = wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out_part, lse=lse_part)
     # tensors a configuration does not use are passed as (unread) stand-ins
     table = block_table if paged else seqlens_k[:, None]
@@ -479,7 +477,8 @@ def _float8_format(dtype) -> dict:
     if dtype is None:
         return dict(FP8_MAX=0.0, FP8_MANTISSA=0, FP8_MIN_EXPONENT=0)
     info = torch.finfo(dtype)
-    return dict(FP8_MAX=info.max, FP8_MANTISSA=round(-math.log2(info.eps)), FP8_MIN_EXPONENT=round(math.log2(info.tiny)))
+    return dict(FP8_MAX=info.max, FP8_MANTISSA=round(-math.log2(info.eps)),
+                FP8_MIN_EXPONENT=round(math.log2(info.tiny)))
 
 
 def _descale_strides(k_descale) -> dict:
