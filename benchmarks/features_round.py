@@ -1,14 +1,19 @@
 """Timings of the eighth session's features on a GPU, peers in the same run (medians of do_bench).
 
-Written on 2026-12-05 without a GPU (none was lent): not yet run. Each case prints one line and
-goes into ``--out`` (JSON with date, device and versions):
+Each case prints one line and goes into ``--out`` (JSON with date, device and versions):
 
 * sink: flash_attn_func bf16 causal (2, 4096, 32:8 heads, d128) with and without learnable_sink,
   forward and forward+backward (the sink's cost; NOTES.md's prediction);
 * mla: flash_attn_func 192/128 (2, 4096, 16 heads) causal, forward and forward+backward, against
   SDPA (the backend it picks for v ≠ q head dims);
+* mla-decode: absorbed MLA decoding (q/k head dim 576, v the first 512 channels of the same cache,
+  one latent head, 16 query heads), batch 16, 16384 cached keys: the cache's bytes per step against
+  a device-to-device copy's bandwidth;
 * wide: (1, 524288, 32, 128) bf16 causal forward, flashtile (64-bit offsets) against SDPA's flash
-  and cuDNN backends (the issue's case; ~12 GiB of inputs);
+  and cuDNN backends (the issue's case; ~12 GiB of inputs), seconds per call, so timed by events
+  (one warm-up, three calls);
+* scale: (1, 1048576, 32, 128) queries with 8 KV heads, causal, one forward and one backward timed
+  by events after a warm-up, and the peak memory of the forward + backward;
 * fp8-decode: flash_attn_with_kvcache, batch 16, 8192 cached keys, 32:8 heads, d128, bf16 cache
   against a float8_e4m3fn one (bytes per step halve);
 * paged-prefill: flash_attn_varlen_func over a paged cache (page 64) against the contiguous varlen
@@ -51,6 +56,30 @@ def timed(name, fn, results, flops=None):
     print(f"{name:48s} {ms * 1e3:10.1f} µs" + ("" if flops is None else f"  {flops / ms * 1e-9:7.1f} TFLOP/s"))
 
 
+def timed_events(name, fn, results, flops, reps=3):
+    """For calls of seconds, where do_bench's estimate loop would cost minutes: one warm-up, then
+    ``reps`` calls, each timed by CUDA events; the median and all of them are kept."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    results[name] = dict(ms=ms, all_ms=times, tflops=flops / ms * 1e-9)
+    print(f"{name:48s} {ms:10.1f} ms  {flops / ms * 1e-9:7.1f} TFLOP/s  (calls: {', '.join(f'{t:.1f}' for t in times)})")
+
+
+def copy_bandwidth(t):
+    """Bytes per second of a device-to-device copy of ``t`` (read + write)."""
+    dst = torch.empty_like(t)
+    ms = do_bench(lambda: dst.copy_(t), warmup=25, rep=100, return_mode="median")
+    return 2 * t.numel() * t.element_size() / ms * 1e3
+
+
 def sink_cases(results):
     q, k, v = rand(2, 4096, 32, 128, grad=True), rand(2, 4096, 8, 128, grad=True), rand(2, 4096, 8, 128, grad=True)
     sink = torch.zeros(32, device="cuda", requires_grad=True)
@@ -82,16 +111,60 @@ def wide_cases(results):
     q, k, v = (rand(1, 524288, 32, 128) for _ in range(3))
     flops = 4 * 32 * 524288 * 524288 * 128 * 0.5
     with torch.no_grad():
-        timed("wide (1, 524288, 32, 128): fwd flashtile", lambda: flashtile.flash_attn_func(q, k, v, causal=True),
-              results, flops)
+        timed_events("wide (1, 524288, 32, 128): fwd flashtile",
+                     lambda: flashtile.flash_attn_func(q, k, v, causal=True), results, flops)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
             try:
                 with sdpa_kernel(backend):
-                    timed(f"wide (1, 524288, 32, 128): fwd sdpa {backend.name}",
-                          lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), results, flops)
+                    timed_events(f"wide (1, 524288, 32, 128): fwd sdpa {backend.name}",
+                                 lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), results, flops)
             except RuntimeError as error:
                 results[f"wide: sdpa {backend.name}"] = dict(error=str(error)[:200])
+
+
+def scale_cases(results):
+    seqlen = 1048576
+    q = rand(1, seqlen, 32, 128, grad=True)
+    k, v = rand(1, seqlen, 8, 128, grad=True), rand(1, seqlen, 8, 128, grad=True)
+    dout = torch.randn_like(q)
+    flops = 4 * 32 * seqlen * seqlen * 128 * 0.5
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    inputs = torch.cuda.memory_allocated()
+    start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    for attempt in ("warm-up", "timed"):
+        start.record()
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        middle.record()
+        out.backward(dout)
+        end.record()
+        torch.cuda.synchronize()
+        q.grad = k.grad = v.grad = None
+        del out
+    fwd_ms, bwd_ms = start.elapsed_time(middle), middle.elapsed_time(end)
+    peak = torch.cuda.max_memory_allocated()
+    results["scale (1, 1048576, 32:8, 128) causal"] = dict(
+        fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms * 1e-9, bwd_tflops=2.5 * flops / bwd_ms * 1e-9,
+        inputs_gib=inputs / 2**30, peak_gib=peak / 2**30)
+    print(f"scale (1, 1048576, 32:8, 128) causal: fwd {fwd_ms / 1e3:.2f} s ({flops / fwd_ms * 1e-9:.1f} TFLOP/s), "
+          f"bwd {bwd_ms / 1e3:.2f} s ({2.5 * flops / bwd_ms * 1e-9:.1f} TFLOP/s), peak {peak / 2**30:.1f} GiB "
+          f"(q, k, v, dO: {inputs / 2**30:.1f} GiB)")
+
+
+def mla_decode_cases(results):
+    batch, capacity, nheads = 16, 16384, 16
+    q = rand(batch, 1, nheads, 576)
+    cache = rand(batch, capacity, 1, 576)
+    seqlens = torch.full((batch,), capacity, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        timed("mla-decode 576/512: flashtile", lambda: flashtile.flash_attn_with_kvcache(
+            q, cache, cache[..., :512], cache_seqlens=seqlens, softmax_scale=192 ** -0.5), results)
+    name = "mla-decode 576/512: flashtile"
+    bandwidth = cache.numel() * cache.element_size() / results[name]["ms"] * 1e3
+    copy = copy_bandwidth(cache)
+    results[name].update(cache_bytes_per_s=bandwidth, copy_bytes_per_s=copy, fraction_of_copy=bandwidth / copy)
+    print(f"{'':48s} cache read at {bandwidth / 1e12:.2f} TB/s; copy {copy / 1e12:.2f} TB/s: {bandwidth / copy:.2f}")
 
 
 def fp8_decode_cases(results):
@@ -106,6 +179,12 @@ def fp8_decode_cases(results):
                                                                                     cache_seqlens=seqlens), results)
         timed("fp8-decode: float8_e4m3fn cache", lambda: flashtile.flash_attn_with_kvcache(
             q, cache8, cache8, cache_seqlens=seqlens, k_descale=scales, v_descale=scales), results)
+    for name, c in (("fp8-decode: bf16 cache", cache), ("fp8-decode: float8_e4m3fn cache", cache8)):
+        # k and v are the same tensor here, but each is read: twice the cache's bytes per step
+        bandwidth = 2 * c.numel() * c.element_size() / results[name]["ms"] * 1e3
+        copy = copy_bandwidth(c)
+        results[name].update(cache_bytes_per_s=bandwidth, copy_bytes_per_s=copy, fraction_of_copy=bandwidth / copy)
+        print(f"{name:48s} cache read at {bandwidth / 1e12:.2f} TB/s; copy {copy / 1e12:.2f} TB/s: {bandwidth / copy:.2f}")
 
 
 def paged_prefill_cases(results):
@@ -125,8 +204,8 @@ def paged_prefill_cases(results):
             q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
 
 
-CASES = {"sink": sink_cases, "mla": mla_cases, "wide": wide_cases, "fp8-decode": fp8_decode_cases,
-         "paged-prefill": paged_prefill_cases}
+CASES = {"sink": sink_cases, "mla": mla_cases, "mla-decode": mla_decode_cases, "fp8-decode": fp8_decode_cases,
+         "paged-prefill": paged_prefill_cases, "wide": wide_cases, "scale": scale_cases}
 
 
 def main():
@@ -139,9 +218,9 @@ def main():
     for case in args.cases:
         CASES[case](results)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.out:  # after each case: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
