@@ -2,10 +2,10 @@
 
 The public functions refuse a malformed ``cu_seqlens`` (or a ``max_seqlen`` below the longest
 sequence) with a ValueError naming it whenever its values are on the host: CPU tensors, or any
-tensor with ``FLASHTILE_CHECK_INPUTS=1``. Below the validation, the kernels clamp each sequence into
-the token axes (``reference.sequence_slices`` states the rule), so no value reaches outside the
-tensors, and tokens outside every sequence get output 0, log-sum-exp −inf and zero gradients; the
-CPU path applies the same rule. Those kernel-level cases run in a subprocess, so that a crash
+tensor with ``FLASHTILE_CHECK_INPUTS=1``. Below the validation, every path makes the bounds
+non-decreasing and clamps them into the token axes (``reference.packed_rows`` states the rule), so
+no value reaches outside the tensors, sequences never overlap, and tokens outside every sequence get
+output 0, log-sum-exp −inf and zero gradients, on the kernels and the CPU path alike. Those kernel-level cases run in a subprocess, so that a crash
 (what the interpreter did before: heap corruption) fails the test instead of killing pytest.
 """
 
@@ -71,7 +71,9 @@ def test_tokens_outside_every_sequence_give_zero_and_neg_inf(backend):
 
 
 # Each case calls the operator itself, below the validation: (cu_seqlens, max_seqlen, whether the
-# sequences are disjoint after clamping, so that the kernels' result is the CPU path's exactly).
+# kernels' result must be the CPU path's). Bounds are made non-decreasing and clamped on every path
+# (reference.packed_rows), so sequences never overlap; only a max_seqlen below the longest sequence
+# leaves rows that the kernels' grid does not cover (0, LSE −inf) where the CPU path computes them.
 KERNEL_CASES = {
     "past-the-end": ([0, 3, 3, 14], 11, True),
     "negative": ([-3, 3, 3, 10], 7, True),
@@ -79,7 +81,8 @@ KERNEL_CASES = {
     "ends-early": ([0, 3, 3, 8], 5, True),
     "no-sequences": ([0], 0, True),
     "huge": ([0, 2**30, -2**30, 2**31 - 1], 8, True),
-    "decreasing": ([0, 5, 3, 10], 7, False),  # sequences overlap: memory safe, rows unspecified
+    "decreasing": ([0, 5, 3, 10], 7, True),  # [0, 5, 5, 10]
+    "inside-an-earlier-one": ([0, 8, 3, 4, 10], 8, True),  # [0, 8, 8, 8, 10]
     "max-seqlen-short": ([0, 8, 10], 4, False),  # rows past max_seqlen are not computed by the kernels
 }
 
@@ -113,14 +116,14 @@ print(json.dumps(dict(finite=bool(finite and lse_ok), same=bool(same))))
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_kernels_stay_inside_their_tensors(case):
-    values, max_seqlen, disjoint = KERNEL_CASES[case]
+    values, max_seqlen, agree = KERNEL_CASES[case]
     env = dict(os.environ, TRITON_INTERPRET="1" if DEVICE == "cpu" else "0")
     result = subprocess.run([sys.executable, "-c", _SNIPPET, json.dumps([values, max_seqlen, DEVICE])],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"the process died ({result.returncode}): {result.stderr[-2000:]}"
     verdict = json.loads(result.stdout.strip().splitlines()[-1])
     assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
-    if disjoint:
+    if agree:
         assert verdict["same"], "the kernels and the CPU path disagree"
 
 

@@ -137,6 +137,8 @@ def flash_attn_with_kvcache(
     batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                            cu_seqlens_q, max_seqlen_q)
     packed = cu_seqlens_q is not None
+    if packed:  # the packed rule (reference.packed_rows), read by the rotary positions, append and attention
+        cu_seqlens_q = reference.nondecreasing(cu_seqlens_q)
     nheads_q, head_dim = q.shape[-2:]
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)

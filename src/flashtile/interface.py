@@ -327,6 +327,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         if cu_seqlens_k is None:
             raise ValueError("with block_table, give seqused_k or cu_seqlens_k: the keys each sequence uses")
         _validate.check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
+        cu_seqlens_k = reference.nondecreasing(cu_seqlens_k)  # the packed rule (reference.packed_rows)
         seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # checked as seqused_k below
     batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, None, None, seqused_k, None, block_table,
                                            cu_seqlens_q, max_seqlen_q, seqlens_name="seqused_k")
@@ -340,7 +341,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table, options, alibi_slopes,
-                                         learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+                                         learnable_sink=learnable_sink,
+                                         cu_seqlens_q=reference.nondecreasing(cu_seqlens_q),
                                          max_seqlen_q=max_seqlen_q, k_descale=k_descale, v_descale=v_descale, out=out)
     return (out, lse, None) if return_attn_probs else out
 

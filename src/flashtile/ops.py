@@ -94,8 +94,16 @@ _NUM_TENSORS = len(AttentionTensors._fields)
 
 
 def _call(arguments) -> tuple[AttentionTensors, AttentionOptions]:
-    """The operators' flat trailing arguments → the call's (tensors, options)."""
-    return AttentionTensors(*arguments[:_NUM_TENSORS]), AttentionOptions(*arguments[_NUM_TENSORS:])
+    """The operators' flat trailing arguments → the call's (tensors, options), a packed batch's
+    bounds made non-decreasing (``reference.nondecreasing``): every path then sees the same disjoint
+    sequences, whatever values reached it unchecked."""
+    tensors = AttentionTensors(*arguments[:_NUM_TENSORS])
+    if tensors.is_varlen:
+        cu_q = reference.nondecreasing(tensors.cu_seqlens_q)
+        same = tensors.cu_seqlens_k is tensors.cu_seqlens_q
+        tensors = tensors._replace(cu_seqlens_q=cu_q,
+                                   cu_seqlens_k=cu_q if same else reference.nondecreasing(tensors.cu_seqlens_k))
+    return tensors, AttentionOptions(*arguments[_NUM_TENSORS:])
 
 
 def out_shape(q, v) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attention_forward
+from .varlen import packed_rows
 
 __all__ = ["kvcache_append_reference", "kvcache_attention_reference"]
 
@@ -53,7 +54,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     q's dtype); returns (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in ``compute_dtype``.
 
     With ``cu_seqlens_q`` (int32 [B + 1]) q is packed (total_q, Hq, D), sequence b's queries at rows
-    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) clamped into the token axis, and the result is
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) by the packed rule (``varlen.packed_rows``), and the result is
     (out (total_q, Hq, Dv), lse (Hq, total_q)), 0 and −inf for tokens outside every sequence.
     """
     compute_dtype = compute_dtype or q.dtype
@@ -84,14 +85,6 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
     return torch.stack(outs), torch.stack(lses)
 
 
-def _sequence_rows(cu_seqlens: torch.Tensor, total: int):
-    """(b, rows of sequence b) of a packed axis, each clamped into [0, total) as the kernels clamp it."""
-    bounds = cu_seqlens.tolist()
-    for b in range(len(bounds) - 1):
-        start = min(max(bounds[b], 0), total)
-        yield b, slice(start, min(max(bounds[b + 1], start), total))
-
-
 def _one(t, b: int, default):
     """Row b of a per-sequence index tensor as a [1] tensor; ``default`` where there is none."""
     return default if t is None else t[b:b + 1]
@@ -103,7 +96,7 @@ def _packed_queries(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     batch = len(seqlens_k)
     out = torch.zeros((total_q, nheads_q, v_cache.shape[-1]), dtype=compute_dtype, device=q.device)
     lse = torch.full((nheads_q, total_q), float("-inf"), dtype=compute_dtype, device=q.device)
-    for b, rows in _sequence_rows(cu_seqlens_q, total_q):
+    for b, rows in enumerate(packed_rows(cu_seqlens_q, total_q)):
         # the non-paged cache's row b, named as such for a call of one sequence
         row_b = torch.tensor([b], dtype=torch.int32, device=q.device) if block_table is None else None
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
@@ -127,7 +120,7 @@ def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_
     [0, capacity), cache row or page id in [0, k_cache.shape[0]); any other is dropped. (Boolean
     indexing reads the mask on the host: this is the CPU path.)"""
     if cu_seqlens_new is not None:
-        for b, rows in _sequence_rows(cu_seqlens_new, k.shape[0]):
+        for b, rows in enumerate(packed_rows(cu_seqlens_new, k.shape[0])):
             row_b = torch.tensor([b], dtype=torch.int32, device=k.device) if block_table is None else None
             kvcache_append_reference(k_cache, v_cache, k[rows][None], v[rows][None], cache_seqlens[b:b + 1],
                                      _one(cache_batch_idx, b, row_b), _one(block_table, b, None), None,

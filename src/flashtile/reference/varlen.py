@@ -5,37 +5,49 @@ cumulative lengths. Each sequence runs through the functions of ``reference.atte
 own, so masks and ALiBi are aligned per sequence, and the dropout counter uses the sequence
 index as the batch index and positions within the sequence.
 
-Sequence ``b`` is tokens ``[cu[b], cu[b + 1])`` with both bounds clamped into the token axis and
-an end below its start making it empty (:func:`sequence_slices`), the rule the kernels apply: in
-the tiled functions (the CPU path) a malformed cu_seqlens can never reach outside the tensors, and
-tokens outside every sequence keep output 0 and log-sum-exp −inf. The public functions refuse
-malformed cu_seqlens before this wherever reading them is free (``flashtile._validate``).
+Sequence ``b`` is tokens ``[cu[b], cu[b + 1])`` of cu_seqlens made non-decreasing by a running
+maximum (:func:`nondecreasing`), with both bounds clamped into the token axis
+(:func:`sequence_slices`). This is the rule the kernels apply too (their launchers pass
+``nondecreasing(cu)``), so that any values, however malformed, give disjoint sequences inside the
+tensors and one defined result on every path: a sequence whose bound falls below an earlier one loses
+the tokens before that bound (``[0, 5, 3, 10]`` is ``[0, 5, 5, 10]``), and tokens outside every
+sequence keep output 0 and log-sum-exp −inf. The public functions refuse malformed cu_seqlens before
+this wherever reading them is free (``flashtile._validate``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from .attention import compute_dtype, score_options, standard_forward, tiled_backward, tiled_forward
 
-__all__ = ["sequence_slices", "varlen_attention_forward", "tiled_varlen_attention_forward",
+__all__ = ["nondecreasing", "packed_rows", "sequence_slices", "varlen_attention_forward", "tiled_varlen_attention_forward",
            "tiled_varlen_attention_backward"]
 
 
-def _clamped(cu: list[int], b: int, total: int) -> slice:
-    start = min(max(cu[b], 0), total)
-    return slice(start, min(max(cu[b + 1], start), total))
+def nondecreasing(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens with each value raised to the largest before it: the identity on well-formed values,
+    one small kernel and no host sync on a GPU. Every path reads packed bounds through it."""
+    return torch.cummax(cu_seqlens, 0).values
+
+
+def packed_rows(cu_seqlens: torch.Tensor, total: int) -> list[slice]:
+    """The rows of each sequence of a packed axis of ``total`` tokens: bounds made non-decreasing
+    (:func:`nondecreasing`), then clamped into [0, total]."""
+    bounds = [min(max(bound, 0), total) for bound in itertools.accumulate(cu_seqlens.tolist(), max)]
+    return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
 
 
 def sequence_slices(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
-    """(index, q rows, k rows) of each sequence of a packed batch, bounds clamped into the token axes."""
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if len(starts_q) != len(starts_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {len(starts_q)} vs {len(starts_k)}")
-    for i in range(len(starts_q) - 1):
-        yield i, _clamped(starts_q, i, total_q), _clamped(starts_k, i, total_k)
+    """(index, q rows, k rows) of each sequence of a packed batch (:func:`packed_rows`)."""
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {cu_seqlens_q.numel()} vs "
+                         f"{cu_seqlens_k.numel()}")
+    yield from ((i, *rows) for i, rows in enumerate(zip(packed_rows(cu_seqlens_q, total_q),
+                                                        packed_rows(cu_seqlens_k, total_k))))
 
 
 def _sequences(q, k, cu_seqlens_q, cu_seqlens_k, attn_bias=None):
