@@ -96,6 +96,11 @@ q, k, v, do = (torch.randn(10, 1, 16, generator=g).to(device, torch.float16) for
 cu = torch.tensor(values, dtype=torch.int32, device=device)
 call = (*AttentionTensors(cu_seqlens_q=cu, cu_seqlens_k=cu), *AttentionOptions(0.25, 7, 0, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen))
+def healthy():  # a kernel fault surfaces at the sync or leaves the context unable to run a new kernel
+    if device != "cuda":
+        return True
+    torch.cuda.synchronize()
+    return int(torch.arange(4, device=device).sum()) == 6
 results = {}
 for path in ("kernels", "cpu"):
     os.environ["TRITON_INTERPRET"] = "1" if path == "kernels" and device == "cpu" else "0"
@@ -110,7 +115,7 @@ for path in ("kernels", "cpu"):
 finite = all(torch.isfinite(t).all() for t in results["kernels"][:1] + results["kernels"][2:])
 lse_ok = not torch.isnan(results["kernels"][1]).any()
 same = all(torch.allclose(a, b, atol=1e-2, equal_nan=True) for a, b in zip(results["kernels"], results["cpu"]))
-print(json.dumps(dict(finite=bool(finite and lse_ok), same=bool(same))))
+print(json.dumps(dict(finite=bool(finite and lse_ok), same=bool(same), healthy=healthy())))
 """
 
 
@@ -122,6 +127,7 @@ def test_kernels_stay_inside_their_tensors(case):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"the process died ({result.returncode}): {result.stderr[-2000:]}"
     verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["healthy"], "the CUDA context cannot run a kernel after the call"
     assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
     if agree:
         assert verdict["same"], "the kernels and the CPU path disagree"
@@ -191,6 +197,11 @@ shape = (4, 8, 1, 16) if paged else (2, 16, 1, 16)
 q, k, v = (torch.randn(*s, generator=g).to(device, torch.float16) for s in ((2, 1, 2, 16), (2, 2, 1, 16), (2, 2, 1, 16)))
 cache = torch.randn(*shape, generator=g).to(device, torch.float16)
 as_int = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32, device=device)
+def healthy():  # a kernel fault surfaces at the sync or leaves the context unable to run a new kernel
+    if device != "cuda":
+        return True
+    torch.cuda.synchronize()
+    return int(torch.arange(4, device=device).sum()) == 6
 results = {}
 for path in ("kernels", "cpu"):
     os.environ["TRITON_INTERPRET"] = "1" if path == "kernels" and device == "cpu" else "0"
@@ -203,7 +214,7 @@ for path in ("kernels", "cpu"):
     results[path] = [t.cpu().double() for t in (out, lse, k_cache, v_cache)]
 finite = bool(torch.isfinite(results["kernels"][0]).all() and not torch.isnan(results["kernels"][1]).any())
 same = all(torch.allclose(a, b, atol=1e-2, equal_nan=True) for a, b in zip(results["kernels"], results["cpu"]))
-print(json.dumps(dict(finite=finite, same=bool(same))))
+print(json.dumps(dict(finite=finite, same=bool(same), healthy=healthy())))
 """
 
 
@@ -217,5 +228,6 @@ def test_cache_kernels_stay_inside_their_tensors(case):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"the process died ({result.returncode}): {result.stderr[-2000:]}"
     verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["healthy"], "the CUDA context cannot run a kernel after the call"
     assert verdict["finite"], "NaN or uninitialised values in the kernels' result"
     assert verdict["same"], "the kernels and the CPU path disagree"
