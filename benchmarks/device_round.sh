@@ -1,12 +1,12 @@
 #!/bin/bash
 # The device calls that check and time the tree on a GPU machine (see /work/.library/device in this
 # workplace), in two parts that each fit one 10-minute command:
-#   bash benchmarks/device_round.sh tests     the CUDA test suite (the files named first run first), then
+#   bash benchmarks/device_round.sh tests     the CUDA tests of the kernels and the newest features (the whole
+#                                             suite with FULL_SUITE=1, the named files first), then
 #                                             compute-sanitizer's memcheck over the malformed-input suite and
 #                                             the serving and 64-bit-offset cases
 #   bash benchmarks/device_round.sh features  benchmarks/features_round.py (sinks, MLA, float8 and paged
-#                                             caches, 2³¹+ elements, a million tokens) and the host time per
-#                                             call, layer by layer
+#                                             caches, 2³¹+ elements, a million tokens)
 #   bash benchmarks/device_round.sh timings   the descriptor-vs-pointer forward per seqlen, the host time per
 #                                             call against SDPA's, the standard sweep with SDPA flash, cuDNN
 #                                             and FlexAttention, and head dims 192/256 against SDPA flash
@@ -23,20 +23,19 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline | head -1
 if [ "$1" = tests ]; then
-  timeout 340 python3 -m pytest -q -n 15 tests/test_sinks.py tests/test_head_dim_v.py tests/test_serving.py \
-    tests/test_large_offsets.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_decode.py tests \
-    > $OUT/pytest.log 2>&1
+  timeout 300 python3 -m pytest -q -n 15 tests/test_hopper.py tests/test_gluon_compile.py tests/test_sinks.py \
+    tests/test_head_dim_v.py tests/test_serving.py tests/test_large_offsets.py tests/test_cuda_graphs.py \
+    tests/test_compile.py tests/test_decode.py tests/test_malformed.py tests/test_varlen.py tests/test_flash_attn.py \
+    ${FULL_SUITE:+tests} > $OUT/pytest.log 2>&1
   grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -25
-  timeout 110 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m pytest -q \
+  timeout 90 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m pytest -q \
     tests/test_malformed.py tests/test_large_offsets.py tests/test_serving.py -k "malformed or kernels_stay or \
     past_2_31 or paged_varlen_prefill or leftpad or fp8_kv or outside" > $OUT/memcheck.log 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" $OUT/memcheck.log | sort | uniq -c | tail -8
   exit
 fi
 if [ "$1" = features ]; then
-  timeout 60 python3 benchmarks/host_overhead.py --layers --out $OUT/host.json > $OUT/host.log 2>&1
-  grep -E "µs|per call" $OUT/host.log | head -30
-  timeout 470 python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
+  timeout ${FEATURES_LIMIT:-470} python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
   exit
 fi
 if [ "$1" = before-after ]; then

@@ -17,7 +17,10 @@ Each case prints one line and goes into ``--out`` (JSON with date, device and ve
 * fp8-decode: flash_attn_with_kvcache, batch 16, 8192 cached keys, 32:8 heads, d128, bf16 cache
   against a float8_e4m3fn one (bytes per step halve);
 * paged-prefill: flash_attn_varlen_func over a paged cache (page 64) against the contiguous varlen
-  call, 8 sequences of 1024 new queries over 4096 keys.
+  call, 8 sequences of 1024 new queries over 4096 keys;
+* mixed-batch: a vLLM-style step, 64 sequences with 4k–12k cached keys (page 16), 58 decoding one
+  token and 6 prefilling chunks of 512, as one paged flash_attn_varlen_func call, against SDPA on the
+  padded equivalent (every sequence padded to the longest chunk and cache, a boolean mask);
 
     PYTHONPATH=src python benchmarks/features_round.py --out $OUT/features.json
 """
@@ -204,8 +207,58 @@ def paged_prefill_cases(results):
             q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
 
 
+def mixed_batch_cases(results):
+    g = torch.Generator().manual_seed(0)
+    batch, page, nheads, nheads_k, head_dim = 64, 16, 32, 8, 128
+    new = torch.tensor([512 if b % 11 == 0 else 1 for b in range(batch)])  # 6 prefill chunks, 58 decode rows
+    used = torch.randint(4096, 12289, (batch,), generator=g)  # keys per sequence, the new ones included
+    pages = (used + page - 1) // page
+    q = rand(int(new.sum()), nheads, head_dim)
+    k_cache, v_cache = rand(int(pages.sum()), page, nheads_k, head_dim), rand(int(pages.sum()), page, nheads_k, head_dim)
+    table = torch.zeros(batch, int(pages.max()), dtype=torch.int32)
+    order = torch.randperm(int(pages.sum()), generator=g).to(torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), pages.cumsum(0)])
+    for b in range(batch):
+        table[b, : pages[b]] = order[starts[b]: starts[b + 1]]
+    table = table.cuda()
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to("cuda", torch.int32)
+    seqused = used.to("cuda", torch.int32)
+    # the padded equivalent: q [B, H, max_new, D], k/v [B, H, max_used, D] gathered from the pages
+    max_new, max_used = int(new.max()), int(used.max())
+    qp = torch.zeros(batch, max_new, nheads, head_dim, dtype=BF16, device="cuda")
+    kp = torch.zeros(batch, max_used, nheads_k, head_dim, dtype=BF16, device="cuda")
+    vp = torch.zeros_like(kp)
+    mask = torch.zeros(batch, 1, max_new, max_used, dtype=torch.bool, device="cuda")
+    for b in range(batch):
+        n, u = int(new[b]), int(used[b])
+        qp[b, :n] = q[int(cu_q[b]): int(cu_q[b]) + n]
+        slots = table[b, : pages[b]].long()
+        kp[b, :u] = k_cache[slots].flatten(0, 1)[:u]
+        vp[b, :u] = v_cache[slots].flatten(0, 1)[:u]
+        rows = torch.arange(max_new, device="cuda")[:, None]
+        cols = torch.arange(max_used, device="cuda")[None, :]
+        mask[b, 0] = (cols <= rows + u - n) & (cols < u) & (rows < n)  # bottom-right causal per sequence
+    mask[:, :, :, 0] |= ~mask.any(-1)  # padded query rows: one visible key, so SDPA gives no NaN
+    qt = qp.transpose(1, 2)
+    kt, vt = (t.transpose(1, 2).repeat_interleave(nheads // nheads_k, dim=1) for t in (kp, vp))
+    with torch.no_grad():
+        timed("mixed-batch: flashtile paged varlen", lambda: flashtile.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_q, None, max_new, max_used, causal=True, block_table=table,
+            seqused_k=seqused), results)
+        timed("mixed-batch: sdpa padded", lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask),
+              results)
+    ours = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max_new, max_used, causal=True,
+                                            block_table=table, seqused_k=seqused)
+    theirs = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+    error = max((ours[int(cu_q[b]): int(cu_q[b + 1])].float() - theirs[b, : int(new[b])].float()).abs().max().item()
+                for b in range(batch))
+    results["mixed-batch: max |flashtile - sdpa|"] = error
+    print(f"{'mixed-batch: max |flashtile - sdpa|':48s} {error:.2e}")
+
+
 CASES = {"sink": sink_cases, "mla": mla_cases, "mla-decode": mla_decode_cases, "fp8-decode": fp8_decode_cases,
-         "paged-prefill": paged_prefill_cases, "wide": wide_cases, "scale": scale_cases}
+         "paged-prefill": paged_prefill_cases, "mixed-batch": mixed_batch_cases, "wide": wide_cases,
+         "scale": scale_cases}
 
 
 def main():
