@@ -123,9 +123,11 @@ def test_kvcache_ops_pass_opcheck():
     q = torch.randn(2, 3, 4, 16, device=DEVICE)
     k_cache, v_cache = torch.randn(2, 20, 2, 16, device=DEVICE), torch.randn(2, 20, 2, 16, device=DEVICE)
     seqlens = torch.tensor([7, 20], dtype=torch.int32, device=DEVICE)
-    call = (q, k_cache, v_cache, seqlens, None, None, 0.25, -1, 0, 0.0, None, 2, None, None, 0, None, None, None)
+    cos, sin = torch.rand(32, 4, device=DEVICE), torch.rand(32, 4, device=DEVICE)  # rotary tables, rotary_dim 8
+    call = (q, k_cache, v_cache, seqlens, None, None, 0.25, -1, 0, 0.0, None, 2, None, None, 0, None, None, None,
+            cos, sin, seqlens - 1, True)
     torch.library.opcheck(torch.ops.flashtile.kvcache_fwd.default, call)
     torch.library.opcheck(torch.ops.flashtile.kvcache_fwd_out.default, (*call, torch.empty_like(q)))
     new = torch.randn(2, 1, 2, 16, device=DEVICE)
     torch.library.opcheck(torch.ops.flashtile.kvcache_append.default,
-                          (k_cache, v_cache, new, new, seqlens - 1, None, None, None, 0, None, None))
+                          (k_cache, v_cache, new, new, seqlens - 1, None, None, None, 0, None, None, cos, sin, False))

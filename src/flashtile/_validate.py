@@ -185,7 +185,7 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
 
 def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
     """rotary_cos and rotary_sin: together or not at all, float tensors of one shape (seqlen_ro,
-    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim."""
+    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim ≤ 256."""
     if rotary_cos is None and rotary_sin is None:
         return
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
@@ -199,6 +199,8 @@ def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
                          f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
     if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
         raise ValueError(f"rotary_dim = 2 · {rotary_cos.shape[1]} must be in 1..headdim ({head_dim})")
+    if head_dim > 256:  # the kernels rotate the tile they load, one chunk of at most 256 channels
+        raise ValueError(f"rotary embeddings take head dims up to 256 (as flash-attn 2), got headdim {head_dim}")
 
 
 def check_descale(k_descale, v_descale, k_cache, batch: int, device):

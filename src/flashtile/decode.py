@@ -114,7 +114,8 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin: keyword only, optional (seqlen_ro, rotary_dim / 2), flash-attn 2's
             rotary embedding of the first rotary_dim channels: the new k at positions
             cache_seqlens[b] + i, and q at the same positions when causal or windowed, else all
-            at cache_seqlens[b]. Applied by PyTorch before the kernel (not fused).
+            at cache_seqlens[b]. Fused: the kernels rotate the tiles as they load them, and no
+            rotated copy is written (q and the appended k; head dims up to 256, as flash-attn 2).
         rotary_interleaved: keyword only: rotate pairs (2j, 2j + 1) (GPT-J; flash-attn's default)
             rather than (j, j + rotary_dim / 2) (GPT-NeoX).
         cache_leftpad: keyword only, optional (batch,) int32: sequence b's keys are cache slots
@@ -154,13 +155,11 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if rotary_cos is not None:
-        q, k = _rotated(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens, options,
-                        cu_seqlens_q if packed else None)
     seqlens_k = cache_seqlens
     if k is not None:
         ops.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                           cu_seqlens_q if packed else None, max_seqlen_q or 0, k_descale, v_descale)
+                           cu_seqlens_q if packed else None, max_seqlen_q or 0, k_descale, v_descale,
+                           rotary_cos, rotary_sin, rotary_interleaved)
         seqlens_k = cache_seqlens + (_packed_lengths(cu_seqlens_q, k.shape[0]) if packed else k.shape[1])
 
     if q.numel() == 0 or batch == 0:
@@ -170,32 +169,9 @@ def flash_attn_with_kvcache(
     else:
         out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options,
                                          alibi_slopes, num_splits, learnable_sink, cu_seqlens_q if packed else None,
-                                         max_seqlen_q or 0, cache_leftpad, k_descale, v_descale, out)
+                                         max_seqlen_q or 0, cache_leftpad, k_descale, v_descale, out,
+                                         rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved)
     return (out, lse) if return_softmax_lse else out
-
-
-def _rotated(q, k, cos, sin, interleaved, cache_seqlens, options, cu_seqlens_q):
-    """(q, k) with the rotary embedding applied at their positions (flash-attn 2's rule: the new keys at
-    cache_seqlens[b] + i; the queries there too when causal or windowed, else all at cache_seqlens[b])."""
-    starts = cache_seqlens.long()
-    if cu_seqlens_q is not None:  # token t of sequence b: position cache_seqlens[b] + t − cu_seqlens_q[b]
-        sequence = reference.packed_sequences(cu_seqlens_q, q.shape[0])  # [total_q]
-        offsets = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q.long()[sequence]
-        starts = starts[sequence]
-    else:
-        offsets = torch.arange(q.shape[1], device=q.device)  # [Sq]
-        starts = starts[:, None]  # [B, 1]
-    # clamped: a position past the table must not fault (the lengths live on the device, unchecked)
-    positions = (starts + offsets).clamp(0, cos.shape[0] - 1)
-    q_positions = positions
-    if options.window == (-1, -1):  # neither causal nor windowed: every query at the end of the cache
-        q_positions = starts.clamp(0, cos.shape[0] - 1).expand(positions.shape)
-    q = reference.apply_rotary(q, cos, sin, q_positions, interleaved)
-    if k is not None:
-        if cu_seqlens_q is None:  # seqlen_new may differ from seqlen_q
-            positions = (starts + torch.arange(k.shape[1], device=k.device)).clamp(0, cos.shape[0] - 1)
-        k = reference.apply_rotary(k, cos, sin, positions, interleaved)
-    return q, k
 
 
 def _packed_lengths(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

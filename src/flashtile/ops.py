@@ -273,13 +273,17 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
 
 
 def _kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
-                    max_seqlen_new, k_descale, v_descale) -> None:
+                    max_seqlen_new, k_descale, v_descale, rotary_cos, rotary_sin, rotary_interleaved) -> None:
     if uses_triton(k):
         launch.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cu_seqlens_new,
-                              max_seqlen_new, k_descale, v_descale)
-    else:
-        reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                           cu_seqlens_new, k_descale, v_descale)
+                              max_seqlen_new, k_descale, v_descale, rotary_cos, rotary_sin, rotary_interleaved)
+        return
+    if rotary_cos is not None:
+        rows = k.shape[0] if cu_seqlens_new is not None else k.shape[1]
+        positions = reference.rotary_positions(cache_seqlens, rows, rotary_cos.shape[0], cu_seqlens_new)
+        k = reference.apply_rotary(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+    reference.kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                       cu_seqlens_new, k_descale, v_descale)
 
 
 def _kvcache_append_fake(*arguments) -> None:
@@ -288,14 +292,21 @@ def _kvcache_append_fake(*arguments) -> None:
 
 def _kvcache_fwd(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
                  window_right, softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q, max_seqlen_q,
-                 cache_leftpad, k_descale, v_descale, out=None):
+                 cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start, rotary_interleaved,
+                 out=None):
     options = AttentionOptions(softmax_scale, window_left, window_right, softcap)
     if uses_triton(q):
         return launch.kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                 options, alibi_slopes, num_splits, learnable_sink=learnable_sink,
                                                 cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                                                 cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
-                                                out=out)
+                                                out=out, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                                rotary_start=rotary_start, rotary_interleaved=rotary_interleaved)
+    if rotary_cos is not None:
+        rows = q.shape[0] if cu_seqlens_q is not None else q.shape[1]
+        positions = reference.rotary_positions(rotary_start, rows, rotary_cos.shape[0], cu_seqlens_q,
+                                               at_start=options.window == (-1, -1))
+        q = reference.apply_rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
     result, lse = reference.kvcache_attention_reference(
         q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, False,
         options.window, softcap, alibi_slopes, compute_dtype=torch.float32, learnable_sink=learnable_sink,
@@ -325,12 +336,14 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_tab
 _KVCACHE_SCHEMAS = {
     "kvcache_append": "kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
                       "Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? block_table, Tensor? cu_seqlens_new, "
-                      "SymInt max_seqlen_new, Tensor? k_descale, Tensor? v_descale) -> ()",
+                      "SymInt max_seqlen_new, Tensor? k_descale, Tensor? v_descale, Tensor? rotary_cos, "
+                      "Tensor? rotary_sin, bool rotary_interleaved) -> ()",
 }
 _KVCACHE_CALL = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
                  "Tensor? block_table, float softmax_scale, SymInt window_left, SymInt window_right, float softcap, Tensor? alibi_slopes, "
                  "SymInt num_splits, Tensor? learnable_sink, Tensor? cu_seqlens_q, SymInt max_seqlen_q, "
-                 "Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale")
+                 "Tensor? cache_leftpad, Tensor? k_descale, Tensor? v_descale, Tensor? rotary_cos, "
+                 "Tensor? rotary_sin, Tensor? rotary_start, bool rotary_interleaved")
 _KVCACHE_SCHEMAS["kvcache_fwd"] = f"kvcache_fwd({_KVCACHE_CALL}) -> (Tensor, Tensor)"
 # the same call writing its output into ``out`` (an engine's preallocated buffer); returns the lse
 _KVCACHE_SCHEMAS["kvcache_fwd_out"] = f"kvcache_fwd_out({_KVCACHE_CALL}, Tensor(c!) out) -> Tensor"
@@ -345,28 +358,35 @@ if not hasattr(torch.ops.flashtile, "kvcache_fwd"):  # as the attention operator
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
+                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None, rotary_cos=None,
+                   rotary_sin=None, rotary_interleaved: bool = False) -> None:
     """Write k, v [B, Sn, Hk, D] (or packed [total_new, Hk, D] with ``cu_seqlens_new``) into the caches
     in place at cache_seqlens[b] + 0..Sn-1; a write outside the cache is dropped (the Triton kernel,
-    or the reference's indexing on the CPU path); a float8 cache stores them divided by its scales.
+    or the reference's indexing on the CPU path); a float8 cache stores them divided by its scales;
+    with ``rotary_cos``/``rotary_sin``, k is stored rotated at its positions (``reference.rotary``).
     The operator ``flashtile::kvcache_append`` (it mutates the caches; torch.compile traces it)."""
     torch.ops.flashtile.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                       cu_seqlens_new, max_seqlen_new, k_descale, v_descale)
+                                       cu_seqlens_new, max_seqlen_new, k_descale, v_descale, rotary_cos, rotary_sin,
+                                       rotary_interleaved)
 
 
 def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options: AttentionOptions,
                       alibi_slopes=None, num_splits: int = 0, learnable_sink=None, cu_seqlens_q=None,
-                      max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None):
+                      max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None,
+                      rotary_cos=None, rotary_sin=None, rotary_start=None, rotary_interleaved: bool = False):
     """Attention of q against each sequence's first ``seqlens_k[b]`` cached keys (after any append):
     the split-KV Triton kernel, or per sequence through the reference in float32 on the CPU path.
     → (out in q's dtype, lse [B, Hq, Sq] float32); with ``cu_seqlens_q`` q is packed [total_q, Hq, D]
     and → (out [total_q, Hq, Dv], lse [Hq, total_q]); ``cache_leftpad`` [B]: each sequence's first key slot;
-    ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales. The operator ``flashtile::kvcache_fwd``
+    ``k_descale``, ``v_descale`` [B, Hk]: a float8 cache's scales; ``rotary_cos``, ``rotary_sin`` and
+    ``rotary_start`` [B] (the cache lengths before the append): q rotated at its positions
+    (``reference.rotary_positions``; all at the start for full attention). The operator ``flashtile::kvcache_fwd``
     (no autograd; its fake implementation gives the shapes to torch.compile); with ``out``,
     ``flashtile::kvcache_fwd_out``, which writes the output there → (out, lse)."""
     call = (q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, options.softmax_scale, options.window_left,
             options.window_right, options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
-            max_seqlen_q, cache_leftpad, k_descale, v_descale)
+            max_seqlen_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start,
+            bool(rotary_interleaved))
     if out is None:
         return torch.ops.flashtile.kvcache_fwd(*call)
     return out, torch.ops.flashtile.kvcache_fwd_out(*call, out)

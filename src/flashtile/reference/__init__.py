@@ -65,7 +65,7 @@ from .attention import attention_backward, attention_forward, tiled_attention_ba
 from .dropout import dropout_keep_mask, philox_uniform
 from .kvcache import kvcache_append_reference, kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
-from .rotary import apply_rotary, packed_sequences
+from .rotary import apply_rotary, packed_sequences, rotary_positions
 from .softmax import merge_softmax_states, merge_split_states, online_softmax
 from .varlen import (nondecreasing, packed_rows, sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
                      varlen_attention_forward)
@@ -95,4 +95,5 @@ __all__ = [
     "sequence_slices",
     "apply_rotary",
     "packed_sequences",
+    "rotary_positions",
 ]

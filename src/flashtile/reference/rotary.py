@@ -7,13 +7,18 @@ rotated by the angle of the token's position, the rest pass through: pairs (x[j]
     x₁' = x₁ · cos − x₂ · sin,    x₂' = x₁ · sin + x₂ · cos,
 
 computed in float32 and rounded to x's dtype once, as flash-attn's kernel does.
+
+Positions (:func:`rotary_positions`, flash-attn 2's rule): the new keys of sequence b at
+``cache_seqlens[b] + i``; its queries there too when the call is causal or windowed, else all at
+``cache_seqlens[b]``; clamped into the table, so that no length, however malformed, reads outside it.
+The kernels (``flashtile.triton.decode``) apply the same rule to the tiles they load.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rotary", "packed_sequences"]
+__all__ = ["apply_rotary", "packed_sequences", "rotary_positions"]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -39,3 +44,18 @@ def packed_sequences(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     every sequence get the last one (their rows are never read)."""
     tokens = torch.arange(total, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True).clamp(max=cu_seqlens.numel() - 2)
+
+
+def rotary_positions(cache_seqlens: torch.Tensor, rows: int, seqlen_ro: int, cu_seqlens: torch.Tensor | None = None,
+                     at_start: bool = False) -> torch.Tensor:
+    """The table row of each new token: [B, rows] for tokens [B, rows, ...], or [rows] for a packed axis
+    of ``rows`` tokens split by ``cu_seqlens`` (non-decreasing); token t of sequence b at
+    ``cache_seqlens[b] + t`` (at ``cache_seqlens[b]`` itself with ``at_start``), clamped into [0, seqlen_ro)."""
+    starts = cache_seqlens.long()
+    if cu_seqlens is not None:
+        sequence = packed_sequences(cu_seqlens, rows)  # [rows]
+        starts, offsets = starts[sequence], torch.arange(rows, device=starts.device) - cu_seqlens.long()[sequence]
+    else:
+        starts, offsets = starts[:, None], torch.arange(rows, device=starts.device)  # [B, 1], [rows]
+    positions = starts.expand(*starts.shape[:-1], rows) if at_start else starts + offsets
+    return positions.clamp(0, seqlen_ro - 1)

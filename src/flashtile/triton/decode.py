@@ -24,6 +24,11 @@ Conventions: bottom-right causal alignment per sequence; a split that sees no ke
 and log-sum-exp −inf (natural log, float32), which the merge weights 0. A learnable sink (one logit
 per query head in the denominator, no value) is counted by the first split alone.
 
+Rotary embeddings (flash-attn 2's ``rotary_cos``/``rotary_sin``) are applied to the tiles as they
+are loaded: the appended keys in :func:`kvcache_append_kernel` before they are stored, the queries
+here before the first dot (:func:`_rotary`, positions by ``reference.rotary_positions``' rule), so no
+rotated copy of q or k is ever written to memory.
+
 Offsets are 32-bit unless a tensor spans more than 2³¹ − 1 elements (``WIDE``, as in
 ``flashtile.triton.attention``). Q·Kᵀ runs over the head dim in one chunk up to 256 and in 64-wide
 chunks beyond (absorbed MLA: q/k 576); V and Out may have their own head dim (512 there).
@@ -43,19 +48,45 @@ from .scores import initial_softmax_state, is_visible, key_range, normalise, sco
 
 
 @triton.jit
+def _rotary(b_x, x_rows, stride_xd, m_rows, positions, Cos, Sin, stride_ro, seqlen_ro,
+            ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """b_x [R, BLOCK_D], loaded from the row pointers ``x_rows`` [R, 1] (channel stride ``stride_xd``),
+    with its first ``ROTARY_DIM`` channels rotated at ``positions`` [R] of the (seqlen_ro, ROTARY_DIM / 2)
+    tables: each channel's partner (the other half, or the neighbour when ``INTERLEAVED``) is loaded
+    again, and ``x' = x · cos ∓ partner · sin`` is formed in float32 and rounded once, as
+    ``reference.apply_rotary``."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    o_d = tl.arange(0, BLOCK_D)
+    if INTERLEAVED:  # pairs (2j, 2j + 1)
+        partner, angle, first = o_d ^ 1, o_d // 2, o_d % 2 == 0
+    else:  # pairs (j, j + HALF)
+        first = o_d < HALF
+        partner, angle = tl.where(first, o_d + HALF, o_d - HALF), tl.where(first, o_d, o_d - HALF)
+    rotated = o_d < ROTARY_DIM
+    m = m_rows[:, None] & rotated[None, :]
+    row = tl.minimum(tl.maximum(positions, 0), seqlen_ro - 1)[:, None] * stride_ro  # [R, 1]
+    cos = tl.load(Cos + row + angle[None, :], mask=m, other=1.0).to(tl.float32)  # [R, BLOCK_D]
+    sin = tl.load(Sin + row + angle[None, :], mask=m, other=0.0).to(tl.float32)
+    b_partner = tl.load(x_rows + partner[None, :] * stride_xd, mask=m, other=0.0).to(tl.float32)
+    b_rotated = b_x.to(tl.float32) * cos + tl.where(first, -1.0, 1.0)[None, :] * b_partner * sin
+    return tl.where(rotated[None, :], b_rotated.to(b_x.dtype), b_x)
+
+
+@triton.jit
 def kvcache_attn_fwd_kernel(
     Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ, CacheLeftpad,
-    KDescale, VDescale,
+    KDescale, VDescale, RotaryCos, RotarySin, RotaryStart,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_op, stride_ob, stride_os, stride_oh, stride_od,
     stride_lp, stride_lb, stride_lh, stride_ls,
-    stride_tb, stride_tn, stride_ab, stride_ah, stride_sb, stride_sh,
-    nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows,
+    stride_tb, stride_tn, stride_ab, stride_ah, stride_sb, stride_sh, stride_ro,
+    nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows, seqlen_ro,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_DESCALE: tl.constexpr,
+    HAS_DESCALE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    ROTARY_AT_START: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -70,7 +101,9 @@ def kvcache_attn_fwd_kernel(
     ``HAS_DESCALE``: the cache is float8; K and V of (sequence b, KV head h) are the stored values times
     ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
     widened to Q's dtype for the dots, the K scale folded into the score scale and the V scale into
-    the output."""
+    the output. ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
+    ``RotaryStart[b]`` + the query's index in its sequence (``RotaryStart[b]`` alone with
+    ``ROTARY_AT_START``), in one chunk (the launcher keeps ROTARY_DIM ≤ BLOCK_D)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
@@ -105,6 +138,12 @@ def kvcache_attn_fwd_kernel(
 
     q_rows = Q + i_b.to(tl.int64) * stride_qb + (q_start + o_q[:, None]) * stride_qs + o_hq[:, None] * stride_qh
     b_q = tl.load(q_rows + o_d[None, :] * stride_qd, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if ROTARY_DIM > 0:
+        positions = tl.load(RotaryStart + i_b)
+        if not ROTARY_AT_START:
+            positions = positions + o_q
+        b_q = _rotary(b_q, q_rows, stride_qd, m_r, positions, RotaryCos, RotarySin, stride_ro, seqlen_ro,
+                      ROTARY_DIM, ROTARY_INTERLEAVED, BLOCK_D)
     alibi_slope_log2 = 0.0
     if HAS_ALIBI:
         b_slope = tl.load(AlibiSlopes + i_b * stride_ab + o_hq * stride_ah, mask=m_r, other=0.0)  # [BLOCK_M]
@@ -225,13 +264,15 @@ def _round_to_float8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 @triton.jit
 def kvcache_append_kernel(
     K, V, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable, CuSeqlensNew, KDescale, VDescale,
+    RotaryCos, RotarySin,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_wb, stride_ws, stride_wh, stride_wd,
-    stride_tb, stride_tn, stride_sb, stride_sh,
-    seqlen_new, page_size, capacity, cache_rows,
+    stride_tb, stride_tn, stride_sb, stride_sh, stride_ro,
+    seqlen_new, page_size, capacity, cache_rows, seqlen_ro,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DESCALE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_MIN_EXPONENT: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
     WIDE: tl.constexpr,
@@ -240,7 +281,8 @@ def kvcache_append_kernel(
     ``IS_VARLEN`` k, v are packed [total_new, Hk, D] (batch strides 0; ``seqlen_new`` is total_new),
     sequence b's at rows ``CuSeqlensNew[b]`` on. ``HAS_DESCALE``: the cache is float8 and a new value x is
     stored as x / descale[b, h], clamped to ±``FP8_MAX`` and rounded to nearest even
-    (:func:`_round_to_float8`).
+    (:func:`_round_to_float8`). ``ROTARY_DIM`` > 0: k's first ROTARY_DIM channels are rotated at the
+    row's position (:func:`_rotary`) before anything else.
 
     One program per (block of new rows, KV head, sequence). A write lands only where it is inside
     the cache: position in [0, capacity), cache row (``CacheBatchIdx``) or page (``BlockTable``) in
@@ -266,6 +308,7 @@ def kvcache_append_kernel(
     m_d = o_d < HEAD_DIM
     m_dv = o_dv < HEAD_DIM_V
     positions = tl.load(CacheSeqlens + i_b).to(tl.int64) + o_s  # [BLOCK_S]
+    rotary_positions = positions  # before the clamping below: the table has its own bounds
     valid = m_s & (positions >= 0) & (positions < capacity)
     positions = tl.where(valid, positions, 0)
     if IS_PAGED:
@@ -284,8 +327,11 @@ def kvcache_append_kernel(
         k_rows = row * stride_cb + positions * stride_cs
         v_rows = row * stride_wb + positions * stride_ws
     rows = new_start + o_s
-    b_k = tl.load(K + i_b * stride_kb + i_h * stride_kh + rows[:, None] * stride_ks + o_d[None, :] * stride_kd,
-                  mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    new_k_rows = K + i_b * stride_kb + i_h * stride_kh + rows[:, None] * stride_ks  # [BLOCK_S, 1]
+    b_k = tl.load(new_k_rows + o_d[None, :] * stride_kd, mask=m_s[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    if ROTARY_DIM > 0:
+        b_k = _rotary(b_k, new_k_rows, stride_kd, m_s, rotary_positions, RotaryCos, RotarySin, stride_ro, seqlen_ro,
+                      ROTARY_DIM, ROTARY_INTERLEAVED, BLOCK_D)
     b_v = tl.load(V + i_b * stride_vb + i_h * stride_vh + rows[:, None] * stride_vs + o_dv[None, :] * stride_vd,
                   mask=m_s[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_S, BLOCK_DV]
     if HAS_DESCALE:

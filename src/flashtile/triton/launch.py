@@ -395,7 +395,8 @@ def _packed_rows(part: torch.Tensor, varlen: bool) -> tuple[int, ...]:
 def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                               options: AttentionOptions, alibi_slopes=None, num_splits: int = 0,
                               config: dict | None = None, learnable_sink=None, cu_seqlens_q=None,
-                              max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None):
+                              max_seqlen_q: int = 0, cache_leftpad=None, k_descale=None, v_descale=None, out=None,
+                              rotary_cos=None, rotary_sin=None, rotary_start=None, rotary_interleaved: bool = False):
     """q [B, Sq, Hq, D]; caches [B_cache, S_cache, Hk, D or Dv] or paged [num_blocks, page_size, Hk, D or Dv]
     with block_table [B, max_blocks] int32; seqlens_k [B] int32 (valid keys per sequence, after any
     append); ``options``: softmax scale, window (causal folded in) and softcap; alibi_slopes [Hq] or
@@ -405,7 +406,9 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     ``max_seqlen_q`` queries, and → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every
     sequence get 0 and −inf. ``cache_leftpad`` int32 [B]: sequence b's keys start at that slot.
     ``k_descale``, ``v_descale`` float32 [B, Hk]: a float8 cache's scales (both given, or neither).
-    ``out``: the output's tensor (its shape, q's dtype, any strides), written in place."""
+    ``out``: the output's tensor (its shape, q's dtype, any strides), written in place. ``rotary_cos``,
+    ``rotary_sin`` (seqlen_ro, rotary_dim / 2), ``rotary_start`` int32 [B]: q is rotated as it is loaded
+    (``reference.rotary_positions``' rule; all at ``rotary_start`` for full attention), head dim ≤ 256."""
     varlen = cu_seqlens_q is not None
     if varlen:  # one "batch row" of total_q tokens, each sequence at its own rows
         total_q, nheads_q, head_dim = q.shape
@@ -450,7 +453,9 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             CuSeqlensQ=cu_seqlens_q if varlen else seqlens_k,
             CacheLeftpad=seqlens_k if cache_leftpad is None else cache_leftpad,
             KDescale=slopes if k_descale is None else k_descale, VDescale=slopes if v_descale is None else v_descale,
-            **_descale_strides(k_descale),
+            **_descale_strides(k_descale), **_rotary_arguments(rotary_cos, rotary_sin, rotary_interleaved, seqlens_k),
+            RotaryStart=seqlens_k if rotary_start is None else rotary_start,
+            ROTARY_AT_START=options.window == (-1, -1),
             **_token_strides("q", q), **_strides("k", "bshd", k_cache.stride()),
             **_strides("v", "bshd", v_cache.stride()), **_strides("o", "pbshd", _packed_rows(out_part, varlen)),
             **_strides("l", "pbhs", _packed_rows(lse_part, varlen)), **_strides("t", "bn", table.stride()),
@@ -481,18 +486,30 @@ def _float8_format(dtype) -> dict:
                 FP8_MIN_EXPONENT=round(math.log2(info.tiny)))
 
 
+def _rotary_arguments(rotary_cos, rotary_sin, interleaved: bool, stand_in) -> dict:
+    """The rotary tables' kernel arguments (``decode._rotary``); without tables, ROTARY_DIM 0 and stand-ins."""
+    if rotary_cos is None:
+        return dict(RotaryCos=stand_in, RotarySin=stand_in, stride_ro=0, seqlen_ro=1, ROTARY_DIM=0,
+                    ROTARY_INTERLEAVED=False)
+    rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()  # the kernels index rows by one stride
+    return dict(RotaryCos=rotary_cos, RotarySin=rotary_sin, stride_ro=rotary_cos.stride(0),
+                seqlen_ro=rotary_cos.shape[0], ROTARY_DIM=2 * rotary_cos.shape[1], ROTARY_INTERLEAVED=interleaved)
+
+
 def _descale_strides(k_descale) -> dict:
     """(batch, head) strides of the float8 scales (k's and v's are both (batch, nheads_k), contiguous)."""
     return _strides("s", "bh", (0, 0) if k_descale is None else k_descale.stride())
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None,
-                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None) -> None:
+                   cu_seqlens_new=None, max_seqlen_new: int = 0, k_descale=None, v_descale=None, rotary_cos=None,
+                   rotary_sin=None, rotary_interleaved: bool = False) -> None:
     """Write k [B, Sn, Hk, D], v [B, Sn, Hk, Dv] into the caches in place at positions cache_seqlens[b] +
     0..Sn-1; writes outside the cache are dropped (``decode.kvcache_append_kernel``). With
     ``cu_seqlens_new`` (int32 [B + 1]) k, v are packed [total_new, Hk, D], the longest sequence
     appending ``max_seqlen_new``. A float8 cache stores x / descale (``k_descale``, ``v_descale`` [B, Hk]),
-    saturated to the format's largest finite value."""
+    saturated to the format's largest finite value. ``rotary_cos``, ``rotary_sin`` (seqlen_ro,
+    rotary_dim / 2): k is rotated at its positions before it is stored."""
     varlen = cu_seqlens_new is not None
     if varlen:
         (_, nheads_k, head_dim), batch, seqlen_new = k.shape, cache_seqlens.shape[0], max_seqlen_new
@@ -510,6 +527,7 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
             CuSeqlensNew=cu_seqlens_new if varlen else cache_seqlens,
             KDescale=cache_seqlens if k_descale is None else k_descale,
             VDescale=cache_seqlens if v_descale is None else v_descale, **_descale_strides(k_descale),
+            **_rotary_arguments(rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens),
             **_token_strides("k", k), **_token_strides("v", v),
             **_strides("c", "bshd", k_cache.stride()), **_strides("w", "bshd", v_cache.stride()),
             **_strides("t", "bn", table.stride()),
