@@ -28,8 +28,10 @@ def assert_accurate(name, actual, ref64, ref_lowp, factor):
                           f"({factor} x torch's {max_error(ref_lowp, ref64):.3e} + float32-ulp floor)")
 
 
-def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, seed=0):
-    """q, k, v (requiring grad) and dO, random normal, from a fixed seed."""
+def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, seed=0, head_dim_v=None):
+    """q, k, v (requiring grad) and dO, random normal, from a fixed seed; v and dO with ``head_dim_v``
+    channels where given (MLA), else ``head_dim``."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -37,8 +39,8 @@ def make_inputs(batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim, dtype, 
 
     q = rand(batch, seqlen_q, nheads_q, head_dim)
     k = rand(batch, seqlen_k, nheads_k, head_dim)
-    v = rand(batch, seqlen_k, nheads_k, head_dim)
-    do = torch.randn(batch, seqlen_q, nheads_q, head_dim, generator=g).to(device=DEVICE, dtype=dtype)
+    v = rand(batch, seqlen_k, nheads_k, head_dim_v)
+    do = torch.randn(batch, seqlen_q, nheads_q, head_dim_v, generator=g).to(device=DEVICE, dtype=dtype)
     return q, k, v, do
 
 
@@ -99,7 +101,7 @@ def check_outputs(out, lse, grads, ref64, ref_lowp):
 def check_flash_attn_func(q, k, v, do, **options):
     """flash_attn_func(**options) against the reference with the same options → (out, lse)."""
     out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **options)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     assert probs is None  # probabilities are only formed with dropout, for testing
     grads = torch.autograd.grad(out, (q, k, v), do)
