@@ -7,7 +7,7 @@ skipped elsewhere; the dispatch rule is tested everywhere.
 
 import pytest
 import torch
-from helpers import DEVICE, check_flash_attn_func, make_inputs
+from helpers import DEVICE, assert_accurate, check_flash_attn_func, make_inputs, references
 
 import flashtile
 from flashtile._options import AttentionOptions, AttentionTensors
@@ -132,6 +132,25 @@ def test_deterministic_takes_the_backward_without_atomics(gluon_backward_calls):
 
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(17, 113), (203, 203), (300, 100)], ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_forward_with_sink(gluon_calls, gluon_backward_calls, head_dim, seqlens, causal):
+    # logits that dominate a row (8), vanish (−30) or sit among the scores; causal q300-k100: rows that
+    # see no key give 0 and LSE = sink. The fused backward takes the LSE, sink included.
+    q, k, v, do = make_inputs(2, *seqlens, 4, 2, head_dim, torch.bfloat16, seed=9)
+    sink = torch.tensor([8.0, -30.0, 0.5, -1.0], device=DEVICE, requires_grad=True)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v, sink), do)
+    assert gluon_calls and gluon_backward_calls
+    ref64, ref_lowp = references(q, k, v, do, causal=causal, learnable_sink=sink)
+    assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
+    torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
+    for name, got, r64, rlow in zip(("dq", "dk", "dv", "dsink"), grads, ref64[2:], ref_lowp[2:]):
+        assert_accurate(name, got, r64, rlow, factor=3)
+
+
+@on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
 def test_gluon_forward_gqa(gluon_calls, heads, causal):
     check_flash_attn_func(*make_inputs(2, 130, 257, *heads, 128, torch.bfloat16, seed=12), causal=causal)
@@ -188,9 +207,9 @@ def test_gluon_only_where_it_applies(monkeypatch):
     for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
                     AttentionOptions(0.1, dropout_p=0.1)):
         assert not usable(options=options), options
-    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1)),
-                    AttentionTensors(learnable_sink=torch.zeros(2))):
+    for tensors in (AttentionTensors(alibi_slopes=torch.ones(2)), AttentionTensors(attn_bias=torch.zeros(1, 1, 1, 1))):
         assert not usable(tensors=tensors), tensors
+    assert usable(tensors=AttentionTensors(learnable_sink=torch.zeros(2)))  # folded in at the epilogue
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
     assert not launch.gluon_usable(full, AttentionTensors(), q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
     assert not launch.gluon_usable(full, AttentionTensors(), q, q, q[..., :64].contiguous())  # v's head dim (MLA)

@@ -17,9 +17,12 @@ block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-speciali
     buffers, alternating), and the warpgroups take turns at computing dQᵢ, so that only the one
     whose turn it is waits for the other's rows;
 
-* **two writer warps** take each dQᵢ from shared memory and add it, half the rows each, to a
-  float32 accumulator in global memory with vector atomic adds (Triton 3.6's Gluon has no TMA
-  reduce), off the consumers' critical path. The launcher converts the accumulator to dQ's dtype.
+* **writer warps** add each dQᵢ from shared memory to a float32 accumulator in global memory, off
+  the consumers' critical path, in one of two ways chosen per head dim by measurement
+  (``DQ_BY_TMA``): at head dim 128 one warp hands the whole tile to the copy engine's bulk
+  reduce-add (``cp.reduce.async.bulk.tensor``, FA3's way), with no load or atomic instruction per
+  element; at 64 two warps add half the rows each with 4-float vector atomics, which measured faster
+  there. The launcher converts the accumulator to dQ's dtype.
 
 The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
 writes D = rowsum(dO ∘ O) with the tensor cores (see its docstring), LSE·log2 e and the zeroed dQ
@@ -42,6 +45,7 @@ form is checked on any machine by tests/test_gluon_compile.py.
 """
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
@@ -60,6 +65,10 @@ from .sm90_fwd import descriptor
 # dK, dV, Sᵀ and dPᵀ near the 240 registers a thread that setmaxnreg gives (128-row steps at head dim
 # 64, FA3's tile, spilled several times more under Triton's register allocation).
 BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = 128, 64, 64, 2
+# How dQᵢ reaches the accumulator, by head dim (H100, one run, backward only, N = 2048–16384;
+# benchmarks/results/h100_2026-12-05.md): the copy engine's reduce-add was 1.01–1.10× the atomics at
+# 128 and 0.95–0.99× at 64 (one cell 1.04), with the p20–p80 spreads apart in 10 of 12 cells.
+DQ_BY_TMA = {64: False, 128: True}
 
 
 @aggregate
@@ -71,15 +80,17 @@ class _Tiling:
     KEYS: gl.constexpr  # keys per consumer warpgroup
     HEAD_DIM: gl.constexpr
     NUM_STAGES: gl.constexpr
+    DQ_BY_TMA: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES):
+    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.KEYS = gl.constexpr(KEYS)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.DQ_BY_TMA = gl.constexpr(DQ_BY_TMA)
 
 
 @gluon.jit
@@ -109,8 +120,31 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
                                         delta_smem.index(stage))
 
 
+@builtin
+def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """The copy engine's bulk reduce-add of ``src`` (shared memory) into the box at ``coord``. Triton 3.6
+    builds the operation (``ttng.async_tma_reduce``) but its Gluon exports no function for it: this
+    is ``tma.async_copy_shared_to_global`` with the reduction's builder call."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _dq_writer(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks,
+def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling):
+    """One warp: each step's dQᵢ, once a consumer has stored it to shared memory, added to the float32
+    accumulator by the copy engine; the buffer is handed back when the engine has read it."""
+    BLOCK_M: gl.constexpr = tiling.BLOCK_M
+    for t in range(n_steps):
+        i_hq = i_hk * group_size + t // m_blocks
+        start_m = (first_m + t % m_blocks) * BLOCK_M
+        mbarrier.wait(dq_full, t & 1)
+        _async_reduce_add(dq_desc, [i_b, i_hq, start_m, 0], dq_smem)
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty)
+
+
+@gluon.jit
+def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks,
                n_steps, group_size, tiling):
     """One of two warps that add each step's dQᵢ from shared memory to the float32 accumulator in
     global memory, half the rows each, 4 floats a lane and whole rows per atomic instruction, off
@@ -225,7 +259,11 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
             mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
             # -- hand dQᵢ to the writer warps, once they have taken the previous step's
             mbarrier.wait(dq_empty, (t & 1) ^ 1)
-            dq_smem.store(dq)
+            if tiling.DQ_BY_TMA:
+                dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                fence_async_shared()  # the stores, made visible to the copy engine
+            else:
+                dq_smem.store(dq)
             gl.thread_barrier()
             mbarrier.arrive(dq_full)
         else:
@@ -242,11 +280,11 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 
 
 @gluon.jit
-def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQAccum,
+def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQAccum,
                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_ah,
                           group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
                           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
-                          HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                          HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, DQ_BY_TMA: gl.constexpr):
     i_n = gl.program_id(0)  # under causal masking the first key blocks have the most queries: first
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
@@ -269,10 +307,11 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # each step's dQᵢ on its way to the writer warps; the swizzle spreads the wgmma layout's stores
-    # over the banks
-    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
+    if DQ_BY_TMA:  # each step's dQᵢ on its way to the writer warp, in the accumulator descriptor's box and layout
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:  # the swizzle spreads the wgmma layout's stores over the banks
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -282,7 +321,10 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(dq_full, count=1)
-    mbarrier.init(dq_empty, count=2)  # both writer warps have read their rows
+    if DQ_BY_TMA:
+        mbarrier.init(dq_empty, count=1)
+    else:
+        mbarrier.init(dq_empty, count=2)  # both writer warps have read their rows
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -290,19 +332,25 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
 
-    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES)
+    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA)
     consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
                 empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                 stride_dvh, i_b, i_hk, start_n, first_m, m_blocks,
                 n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
     producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, tiling)
-    writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks, n_steps,
-              group_size, tiling)
     # the kernel's own 4 warps are consumer 0; setmaxnreg gives the producer and the writers 32 registers
     # a thread (they share a warpgroup, which setmaxnreg sets as a whole)
-    gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
-                        (_dq_writer, (0, ) + writer), (_dq_writer, (1, ) + writer)], [4, 1, 1, 1], [240, 32, 32, 32])
+    if DQ_BY_TMA:
+        writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
+        gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
+                            (_dq_writer_tma, writer)], [4, 1, 1], [240, 32, 32])
+    else:
+        writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks, n_steps,
+                  group_size, tiling)
+        gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
+                            (_dq_writer_atomics, (0, ) + writer), (_dq_writer_atomics, (1, ) + writer)],
+                           [4, 1, 1, 1], [240, 32, 32, 32])
 
 
 @gluon.jit
@@ -361,6 +409,14 @@ def _stats_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M], _STATS_LAYOUT)
 
 
+def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """A descriptor over the [batch, nheads, padded seqlen, head_dim] float32 dQ accumulator whose box
+    is one block's rows. Unswizzled: a swizzled box may span at most 128 bytes of a row, and a
+    row of dQ is 256 or 512."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1]], layout)
+
+
 def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
     """Writes dq/dk/dv (any strides with a contiguous head dim) for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D],
     out and dout like q, lse [B, Hq, Nq] float32, for inputs that
@@ -380,13 +436,12 @@ def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale:
     _attn_bwd_sm90_kernel[(-(-seqlen_k // BLOCK_N), nheads_k, batch)](
         q_desc=descriptor(q, BLOCK_M), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         do_desc=descriptor(dout, BLOCK_M), lse_desc=_stats_descriptor(lse2), delta_desc=_stats_descriptor(delta),
-        DK=dk, DV=dv, DQAccum=dq_accum,
+        dq_desc=_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum,
         stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1),
-        group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KEYS=KEYS, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,
-        num_warps=4,
+        DQ_BY_TMA=DQ_BY_TMA[head_dim], num_warps=4,
     )
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))

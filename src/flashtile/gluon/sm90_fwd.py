@@ -17,6 +17,10 @@ the pieces, still in Python:
   waits for S_j alone and computes softmax(S_j) while the PV matmul still runs, then rescales O;
 * the consumers are not synchronised with each other, so one's softmax also runs under another's
   matmuls (an explicit ping-pong turn between them measured no faster: NOTES.md, v0.5);
+* a learnable sink (gpt-oss) joins each row's denominator in the epilogue: with the row's running
+  max M (scaled, base 2), sum ℓ and unnormalised output acc, and the sink's logit σ in base 2,
+  ``μ = max(M, σ)``, ``den = ℓ·2^(M−μ) + 2^(σ−μ)``, ``o = acc·2^(M−μ) / den``, ``LSE = (μ + log2 den)·ln 2``:
+  the same mass as starting the online softmax at (σ, 1), and no work in the main loop;
 * causal programs run longest first (reversed Q-block order); only blocks that cross the diagonal
   or the end of the keys pay for masking. Visibility is the causal case of the one rule of
   ``flashtile.triton.scores`` (key ``j`` visible to query ``i`` iff ``j ≤ i + Nk − Nq``), written
@@ -28,7 +32,8 @@ log-sum-exp in natural log, float32, and a row that sees no key gets output 0 an
 
 Limits (``flashtile.triton.launch.attention_forward`` sends everything else to the Triton kernel, which stays the
 portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64 and
-128; full or causal attention without bias, ALiBi, softcap, window, dropout or packed batches; a
+128; full or causal attention (with or without a learnable sink) without bias, ALiBi, softcap,
+window, dropout or packed batches; a
 positive softmax scale (masking sets raw scores to −inf before the scale multiplies them, and the
 running max is kept over raw scores: with a scale ≤ 0 masked entries would give NaN).
 Gluon has no interpreter, so this file is tested on the GPU only (tests/test_hopper.py).
@@ -68,15 +73,17 @@ class _Tiling:
     BLOCK_N: gl.constexpr
     HEAD_DIM: gl.constexpr
     NUM_STAGES: gl.constexpr
+    HAS_SINK: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES):
+    def __init__(self, CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.NUM_CONSUMERS = gl.constexpr(NUM_CONSUMERS)
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.HAS_SINK = gl.constexpr(HAS_SINK)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -128,7 +135,7 @@ def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diagonal, qk_scale, un
 
 @gluon.jit
 def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              o_desc, Lse, stride_lb, stride_lh, i_b, i_hq, row_start, n_blocks, unmasked_hi,
+              o_desc, Lse, stride_lb, stride_lh, Sinks, i_b, i_hq, row_start, n_blocks, unmasked_hi,
               seqlen_q, seqlen_k, diagonal, qk_scale, tiling):
     """One warpgroup: query rows [row_start + which·ROWS, +ROWS) against every K/V block."""
     CAUSAL: gl.constexpr = tiling.CAUSAL
@@ -189,9 +196,18 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
         acc, p_op = warpgroup_mma_wait(0, deps=(o_token, p_op))
         mbarrier.arrive(v_empty.index(last))
 
-    seen = l_i > 0.0
-    out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout)), 1)
-    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
+    if tiling.HAS_SINK:  # the sink's mass joins the denominator (module docstring); a row with no key: o = 0, LSE = σ
+        sink2 = gl.load(Sinks + i_hq) * 1.4426950408889634  # [], base 2
+        m2 = m_i * qk_scale  # [ROWS], −inf where no key was seen
+        mu = gl.maximum(m2, sink2)
+        kept = gl.exp2(m2 - mu)
+        denominator = l_i * kept + gl.exp2(sink2 - mu)
+        out = acc * gl.expand_dims(gl.convert_layout(kept / denominator, gl.SliceLayout(1, o_layout)), 1)
+        lse = (mu + gl.log2(denominator)) * 0.6931471805599453  # * ln 2
+    else:
+        seen = l_i > 0.0
+        out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout)), 1)
+        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
     gl.store(Lse + i_b * stride_lb + i_hq * stride_lh + rows, lse, mask=rows < seqlen_q)
     # every S matmul has completed, so Q's tile is free to stage O for the copy engine,
     # which clips the rows past seqlen_q
@@ -203,10 +219,11 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
 
 
 @gluon.jit
-def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
+def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, Sinks,
                           group_size, seqlen_q, seqlen_k, qk_scale,
                           CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
-                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          HAS_SINK: gl.constexpr):
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS
     i_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest first under causal masking
     i_hq = gl.program_id(1)
@@ -240,9 +257,9 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # every consumer releases a buffer
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
-    tiling = _Tiling(CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES)
+    tiling = _Tiling(CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK)
     consumer = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb, stride_lh,
-                i_b, i_hq, row_start, n_blocks, unmasked_hi, seqlen_q, seqlen_k, diagonal, qk_scale, tiling)
+                Sinks, i_b, i_hq, row_start, n_blocks, unmasked_hi, seqlen_q, seqlen_k, diagonal, qk_scale, tiling)
     producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                 i_b, i_hq, i_hk, row_start, n_blocks, tiling)
     # the kernel's own 4 warps are consumer 0; setmaxnreg shares the 64K registers (the producer
@@ -268,9 +285,10 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: float,
-                            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool, learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] → (out like q, lse [B, Hq, Nq] float32), for inputs that
-    ``flashtile.triton.launch.gluon_usable`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``."""
+    ``flashtile.triton.launch.gluon_usable`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``;
+    ``learnable_sink`` float32 [Hq] or None."""
     batch, seqlen_q, nheads_q, _ = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -281,8 +299,8 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     _attn_fwd_sm90_kernel[grid](
         q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
+        Sinks=lse if learnable_sink is None else learnable_sink, group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        NUM_STAGES=NUM_STAGES, num_warps=4,
+        NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, num_warps=4,
     )
     return out, lse

@@ -152,12 +152,12 @@ def _plain(options: AttentionOptions, tensors: AttentionTensors) -> bool:
 def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> bool:
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
-    written for, on an sm_90 GPU, for plain full or causal attention in 16 bits at a head dim it has
-    (the same for V), without a learnable sink, with a positive softmax scale (it masks raw scores before
+    written for, on an sm_90 GPU, for plain full or causal attention (a learnable sink allowed) in 16
+    bits at a head dim it has (the same for V), with a positive softmax scale (it masks raw scores before
     scaling them), from
     ``GLUON_MIN_SEQLEN[head_dim, causal]`` on, for tensors within 32-bit offsets."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
-    return (_plain(options, tensors) and tensors.learnable_sink is None and sm90_fwd is not None
+    return (_plain(options, tensors) and sm90_fwd is not None
             and v.shape[-1] == head_dim
             and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
@@ -252,7 +252,8 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
     ``tensors.cu_seqlens_*`` → (out like q with Dv, lse [B, Hq, Nq] or [Hq, total_q], float32)."""
     with launch_device(q):
         if gluon_usable(options, tensors, q, k, v):
-            return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal)
+            return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal,
+                                                    learnable_sink=tensors.learnable_sink)
         shape = _shape(q, k, options, tensors)
         batch, seqlen_q, seqlen_k, nheads_q, _, head_dim = shape
         head_dim_v = v.shape[-1]
