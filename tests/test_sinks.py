@@ -21,7 +21,6 @@ from helpers import (DEVICE, assert_accurate, make_inputs, packed_inputs, refere
 
 import flashtile
 from flashtile import reference as ref
-from flashtile.autograd import sink_gradient
 from flashtile.ops import attention_backward, attention_forward
 
 
@@ -71,9 +70,10 @@ def test_reference_sink_rescales_the_result_without_it(options):
     assert torch.isneginf(plain_lse).any() and (out[torch.isneginf(plain_lse)] == 0).all()
     # the gradient's closed form, as the library computes it, against autograd of the reference
     (dsink,) = torch.autograd.grad(out, sink, do)
-    layout = (0, 2, 1, 3)  # sink_gradient takes flash-attn's layout [B, N, H, D]
-    closed = sink_gradient(do.permute(layout), out.detach().permute(layout), lse.detach(), sink.detach(), False)
-    # sink_gradient forms D = rowsum(dO ∘ O) in float32 (as the kernels do): a few float32 ulps
+    layout = (0, 2, 1, 3)  # output_delta takes flash-attn's layout [B, N, H, D]
+    delta = ref.output_delta(do.permute(layout), out.detach().permute(layout), varlen=False)
+    closed = ref.sink_gradient(delta, lse.detach(), sink.detach(), False)
+    # output_delta forms D = rowsum(dO ∘ O) in float32 (as the kernels do): a few float32 ulps
     torch.testing.assert_close(closed.double(), dsink, rtol=1e-6, atol=1e-9)
 
 
@@ -232,4 +232,5 @@ def test_sink_gradient_is_the_closed_form_sum():
     lse = torch.tensor([[[1.25]]])
     sink = torch.tensor([0.5])
     expected = -math.exp(0.5 - 1.25) * (0.5 * 2.0 - 1.0 * 3.0)
-    torch.testing.assert_close(sink_gradient(dout, out, lse, sink, varlen=False), torch.tensor([expected]))
+    delta = ref.output_delta(dout, out, varlen=False)
+    torch.testing.assert_close(ref.sink_gradient(delta, lse, sink, varlen=False), torch.tensor([expected]))

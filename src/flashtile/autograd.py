@@ -27,18 +27,6 @@ def unpack(layout, a, b, c):
     return a, b, c
 
 
-def sink_gradient(dout, out, lse, learnable_sink, varlen: bool) -> torch.Tensor:
-    """d loss / d sink_h = −Σ_{b,i} exp(sink_h − L_i) · D_i, with D_i = rowsum(dO_i ∘ O_i): the sink's
-    probability exp(sink − L) times the gradient of a score whose value is 0. Rows with L = −inf
-    (no key and no sink mass; tokens outside every packed sequence) add nothing."""
-    delta = (dout.float() * out.float()).sum(-1)  # [B, N, H] or [total, H]
-    delta = delta.t() if varlen else delta.transpose(1, 2)  # lse's layout: [H, total] or [B, H, N]
-    sink = learnable_sink.view(-1, 1) if varlen else learnable_sink.view(1, -1, 1)
-    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(sink - lse))
-    heads = 0 if varlen else 1
-    return -(weight * delta).sum(dim=[d for d in range(lse.dim()) if d != heads])
-
-
 class FlashAttnFunction(torch.autograd.Function):
     """Exact attention: ``apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
     cu_seqlens_k, learnable_sink, options)`` → (out, lse); (a, b, c) is (q, k, v), (qkv, None, None) or
@@ -68,8 +56,6 @@ class FlashAttnFunction(torch.autograd.Function):
         grads = [torch.empty_like(t) if t is not None else None for t in (a, b, c)]
         dq, dk, dv = unpack(ctx.layout, *grads)
         bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
-        dbias = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
-        dsink = None
-        if tensors.learnable_sink is not None and ctx.needs_input_grad[9]:
-            dsink = sink_gradient(dout, out, lse, tensors.learnable_sink, tensors.is_varlen)
+        dbias, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+        dsink = dsink if tensors.learnable_sink is not None and ctx.needs_input_grad[9] else None
         return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)

@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from . import _validate
 from ._options import default_softmax_scale
-from .autograd import sink_gradient
 from .merge import merge_attention_states
 from .ops import attention_backward, attention_forward
 
@@ -198,21 +197,27 @@ def _ring_forward(q, k, v, softmax_scale, causal, learnable_sink, layout, ring: 
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, layout, ring: _Ring):
+def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, layout, ring: _Ring,
+                   learnable_sink=None):
+    """→ (dq, dk, dv, d sink or None): with ``learnable_sink``, this rank's rows' share of its gradient,
+    from the first step's block (the rank's own K/V: every local row), as the forward counts it."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     head_dim = k.shape[-1]
     kv = torch.cat((k, v), dim=-1)  # [B, Nk, Hk, D + Dv]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_pass = None  # the float32 dK/dV of the K/V in hand, accumulated by the ranks before
+    dsink = None
     for step in range(ring.world_size):
         incoming = ring.start_pass(kv, KV_TAG) if step + 1 < ring.world_size else None
         plan = block_plan(ring.source(step), ring.rank, causal, layout, seqlen_q, seqlen_k)
         if plan is not None:
             rows, cols, block_causal = plan
-            block_dq, block_dk, block_dv = attention_backward(
+            block_dq, block_dk, block_dv, *block_dsink = attention_backward(
                 dout[:, rows], q[:, rows], kv[:, cols, :, :head_dim], kv[:, cols, :, head_dim:],
                 out[:, rows], lse[:, :, rows], softmax_scale, block_causal, deterministic=deterministic,
+                learnable_sink=learnable_sink if step == 0 else None,
             )
+            dsink = block_dsink[0] if block_dsink else dsink
             dq[:, rows] += block_dq
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if step == 0 else dkv_pass.wait()
         if plan is not None:
@@ -223,7 +228,7 @@ def _ring_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic
         if incoming is not None:
             kv = incoming.wait()
     dkv = dkv_pass.wait()
-    return dq.to(q.dtype), dkv[..., :head_dim].to(k.dtype), dkv[..., head_dim:].to(v.dtype)
+    return dq.to(q.dtype), dkv[..., :head_dim].to(k.dtype), dkv[..., head_dim:].to(v.dtype), dsink
 
 
 class RingFlashAttnFunction(torch.autograd.Function):
@@ -246,11 +251,9 @@ class RingFlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, learnable_sink = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
-                                    ctx.layout, ctx.ring)
-        dsink = None
-        if learnable_sink is not None and ctx.needs_input_grad[3]:  # this rank's rows' share
-            dsink = sink_gradient(dout, out, lse, learnable_sink, varlen=False)
+        wants_sink = learnable_sink is not None and ctx.needs_input_grad[3]  # this rank's rows' share
+        dq, dk, dv, dsink = _ring_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic,
+                                           ctx.layout, ctx.ring, learnable_sink if wants_sink else None)
         return dq, dk, dv, dsink, None, None, None, None, None
 
 

@@ -88,7 +88,7 @@ _CALL = f"{_schema_arguments(AttentionTensors)}, {_schema_arguments(AttentionOpt
 _SCHEMAS = {
     "fwd": f"fwd(Tensor q, Tensor k, Tensor v, {_CALL}) -> (Tensor, Tensor)",
     "bwd": f"bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor(a!) dq, Tensor(b!) dk, "
-           f"Tensor(c!) dv, bool bias_grad, {_CALL}) -> Tensor",
+           f"Tensor(c!) dv, bool bias_grad, {_CALL}) -> (Tensor, Tensor)",
 }
 _NUM_TENSORS = len(AttentionTensors._fields)
 
@@ -165,16 +165,28 @@ def _fwd_fake(q, k, v, *arguments):
 
 
 def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
-    """Writes dq, dk, dv; returns the bias gradient (shaped like attn_bias), or an empty tensor."""
+    """Writes dq, dk, dv; returns (the bias gradient shaped like attn_bias, or an empty tensor; the
+    learnable sink's gradient [Hq] float32, or an empty tensor). The sink's gradient needs only
+    D = rowsum(dO ∘ O), which the kernels form anyway: it is reduced from theirs, and formed here on
+    the PyTorch paths."""
     tensors, options = _call(arguments)
-    no_bias_grad = q.new_empty((0,), dtype=torch.float32)
+    dbias, delta = _gradients(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors, options)
+    dsink = q.new_empty((0,), dtype=torch.float32)  # outputs must not alias: one empty tensor each
+    if tensors.learnable_sink is not None:
+        if delta is None:
+            delta = reference.output_delta(dout, out, tensors.is_varlen)
+        dsink = reference.sink_gradient(delta, lse, tensors.learnable_sink, tensors.is_varlen)
+    return (dbias if bias_grad else q.new_empty((0,), dtype=torch.float32)), dsink
+
+
+def _gradients(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors: AttentionTensors, options: AttentionOptions):
+    """dq, dk, dv written by the device's path → (the bias gradient or None, the kernels' D or None)."""
     if _attends_nothing(q, k, tensors):
         for grad in (dq, dk, dv):
             grad.zero_()
-        return torch.zeros_like(tensors.attn_bias) if bias_grad else no_bias_grad
+        return (torch.zeros_like(tensors.attn_bias) if bias_grad else None), None
     if uses_triton(q):
-        dbias = launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
-        return dbias if bias_grad else no_bias_grad
+        return launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
     # the backward needs no sink: the log-sum-exp it rebuilds P from includes it
     if cpu.fused_applies(q, k, v, options, tensors._replace(learnable_sink=None), bias_grad):
         if tensors.is_varlen:
@@ -183,7 +195,7 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
             grads = cpu.fused_attention_backward(dout, q, k, v, out, lse, options, tensors.attn_bias)
         for buffer, grad in zip((dq, dk, dv), grads):
             buffer.copy_(grad)
-        return no_bias_grad
+        return None, None
     if tensors.is_varlen:
         grads = reference.tiled_varlen_attention_backward(
             q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
@@ -191,19 +203,21 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
         )
         for buffer, grad in zip((dq, dk, dv), grads):
             buffer.copy_(grad)
-        return no_bias_grad
+        return None, None
     *grads, dbias = reference.tiled_attention_backward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
         **_reference_arguments(options, tensors),
     )
     for buffer, grad in zip((dq, dk, dv), grads):
         buffer.copy_(grad.transpose(1, 2))
-    return dbias.to(tensors.attn_bias.dtype) if bias_grad else no_bias_grad
+    return (dbias.to(tensors.attn_bias.dtype) if bias_grad else None), None
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     tensors, _ = _call(arguments)
-    return torch.empty_like(tensors.attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+    dbias = torch.empty_like(tensors.attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+    sink = tensors.learnable_sink
+    return dbias, (q.new_empty((0,), dtype=torch.float32) if sink is None else torch.empty_like(sink))
 
 
 if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook autoreload) keeps the first
@@ -251,8 +265,10 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_siz
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, deterministic=False):
-    """→ (dq, dk, dv), with P rebuilt from ``lse`` and D = rowsum(dout ∘ out).
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, deterministic=False,
+                       learnable_sink=None):
+    """→ (dq, dk, dv), with P rebuilt from ``lse`` and D = rowsum(dout ∘ out); with ``learnable_sink``
+    (whose mass ``lse`` includes) also its gradient over these rows, last.
 
     ``out`` and ``lse`` may be those of a larger attention that this call is a part of
     (ring attention): the gradients are then this part's share. ``deterministic``: bitwise
@@ -262,10 +278,10 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     _refuse_autograd(dout, q, k, v, out, lse, alibi_slopes)
     options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p,
                                deterministic=bool(deterministic))
-    tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device))
+    tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device), learnable_sink=learnable_sink)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
-    return dq, dk, dv
+    _, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -417,10 +417,11 @@ def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1]], layout)
 
 
-def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
+def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> torch.Tensor:
     """Writes dq/dk/dv (any strides with a contiguous head dim) for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D],
     out and dout like q, lse [B, Hq, Nq] float32, for inputs that
-    ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits."""
+    ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits. → D = rowsum(dO ∘ O)
+    [B, Hq, Nq] float32 (a view of the preprocess's buffer), which the sink's gradient reads."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     padded_q = -(-seqlen_q // BLOCK_M) * BLOCK_M  # ceil to whole blocks on Python ints
@@ -445,3 +446,4 @@ def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale:
         DQ_BY_TMA=DQ_BY_TMA[head_dim], num_warps=4,
     )
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
+    return delta[:, :, :seqlen_q]

@@ -66,7 +66,7 @@ from .dropout import dropout_keep_mask, philox_uniform
 from .kvcache import kvcache_append_reference, kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
 from .rotary import apply_rotary, packed_sequences, rotary_positions
-from .softmax import merge_softmax_states, merge_split_states, online_softmax
+from .softmax import merge_softmax_states, merge_split_states, online_softmax, output_delta, sink_gradient
 from .varlen import (nondecreasing, packed_rows, sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
                      varlen_attention_forward)
 
@@ -81,6 +81,8 @@ __all__ = [
     "online_softmax",
     "merge_softmax_states",
     "merge_split_states",
+    "output_delta",
+    "sink_gradient",
     "attention_forward",
     "attention_backward",
     "tiled_attention_forward",

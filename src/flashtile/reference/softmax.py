@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["online_softmax", "merge_softmax_states", "merge_split_states"]
+__all__ = ["online_softmax", "merge_softmax_states", "merge_split_states", "output_delta", "sink_gradient"]
 
 
 def online_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,3 +65,21 @@ def merge_split_states(outs: torch.Tensor, lses: torch.Tensor):
     weights = scales / torch.where(seen, total, torch.ones_like(total))  # [P, ..., H, S]
     out = (weights.transpose(-1, -2)[..., None] * outs.float()).sum(0)  # [..., S, H, D]
     return out.to(outs.dtype), lse
+
+
+def output_delta(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """D = rowsum(dO ∘ O) in float32, in the log-sum-exp's layout: [B, H, N] from [B, N, H, D], or
+    [H, total] from packed [total, H, D]. The backward kernels form the same D themselves."""
+    delta = (dout.float() * out.float()).sum(-1)  # [B, N, H] or [total, H]
+    return delta.t() if varlen else delta.transpose(1, 2)
+
+
+def sink_gradient(delta: torch.Tensor, lse: torch.Tensor, learnable_sink: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """d loss / d sink_h = −Σ_{b,i} exp(sink_h − L_i) · D_i, with D_i = rowsum(dO_i ∘ O_i) (``delta``, in
+    ``lse``'s layout: [B, H, N], or [H, total] when ``varlen``): the sink's probability exp(sink − L)
+    times the gradient of a score whose value is 0. Rows with L = −inf (tokens outside every packed
+    sequence, whose D the kernels never write) add nothing."""
+    sink = learnable_sink.view(-1, 1) if varlen else learnable_sink.view(1, -1, 1)
+    contribution = torch.where(torch.isneginf(lse), 0.0, torch.exp(sink - lse) * delta)
+    heads = 0 if varlen else 1
+    return -contribution.sum(dim=[d for d in range(lse.dim()) if d != heads])

@@ -282,14 +282,15 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors,
                        dq, dk, dv, bias_grad: bool = False):
     """Writes the gradients of :func:`attention_forward` into ``dq``/``dk``/``dv`` (possibly strided
-    buffers, such as the slices of a packed gradient). Returns the bias gradient reduced to the
-    bias's shape when ``bias_grad``, else None. Bitwise deterministic except on the fused sm_90
-    path, which ``options.deterministic`` turns off."""
+    buffers, such as the slices of a packed gradient). Returns (the bias gradient reduced to the
+    bias's shape when ``bias_grad``, else None; D = rowsum(dO ∘ O) float32 in lse's layout, which the
+    kernels form and a learnable sink's gradient reads; rows outside every packed sequence unwritten).
+    Bitwise deterministic except on the fused sm_90 path, which ``options.deterministic`` turns off."""
     if gluon_backward_usable(options, tensors, q, k, v, out, dout, dq, dk, dv):
         with launch_device(q):
-            sm90_bwd.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, options.softmax_scale,
-                                              causal=options.causal)
-        return None
+            delta = sm90_bwd.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, options.softmax_scale,
+                                                      causal=options.causal)
+        return None, delta
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
@@ -333,7 +334,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
         )
     if dbias is not None:
         dbias = dbias.sum_to_size(tensors.attn_bias.shape).to(tensors.attn_bias.dtype)
-    return dbias
+    return dbias, delta
 
 
 # ----------------------------------------------------------------------------------------------
