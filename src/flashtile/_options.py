@@ -43,6 +43,9 @@ class AttentionOptions(NamedTuple):
     max_seqlen_q: int = 0  # packed batches: the longest sequence, which sizes the grid
     max_seqlen_k: int = 0
     deterministic: bool = False  # the backward may not sum with atomics (bitwise-identical gradients)
+    # the caller reads the log-sum-exp, which must then meet flashtile's 1e-5 contract; False lets the CPU
+    # path run PyTorch's 16-bit kernel as SDPA does (flashtile.cpu: its log-sum-exp is ~6e-5 off)
+    returns_lse: bool = True
 
     @property
     def window(self) -> tuple[int, int]:

@@ -289,14 +289,15 @@ def deterministic(asked) -> bool:
 
 
 def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout_p=0.0,
-                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic_asked=False) -> AttentionOptions:
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic_asked=False,
+                      returns_lse: bool = True) -> AttentionOptions:
     """The validated options of one call, with the defaults applied."""
     softcap, dropout_p = check_softcap(softcap), check_dropout(dropout_p)
     left, right = window(window_size, causal)
     if softmax_scale is not None:
         softmax_scale = finite_number("softmax_scale", softmax_scale)
     return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
-                            max_seqlen_q, max_seqlen_k, deterministic(deterministic_asked))
+                            max_seqlen_q, max_seqlen_k, deterministic(deterministic_asked), bool(returns_lse))
 
 
 def attn_mask_to_bias(attn_mask, q, k):

@@ -15,9 +15,12 @@ so it can stand in for the tiled reference wherever the two agree exactly:
   qualifies, the tiled reference where it does not, so packing never changes a sequence's result.
 
 Inputs are widened to float32 before the call (exactly: every bfloat16 and float16 is a float32),
-as flashtile's kernels compute: on 16-bit inputs PyTorch's kernel returned log-sum-exps ~5e-5 off
-float64 (measured at 2×4×37×40), where flashtile keeps them within 1e-5; benchmarks/NOTES.md, "The
-CPU path", has the speed. GQA/MQA run without K/V copies where the mask allows (:class:`_Layout`).
+as flashtile's kernels compute, wherever the caller reads the log-sum-exp: on 16-bit inputs
+PyTorch's kernel returned log-sum-exps ~5e-5 off float64 (measured at 2×4×37×40 and 2×4×113×64),
+where flashtile keeps them within 1e-5. A call that does not return it (``options.returns_lse``
+False: the default of the public functions) runs PyTorch's 16-bit kernel as SDPA does, forward and
+backward, consistently with its own log-sum-exp: its outputs and gradients meet flash-attn's rule
+(tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"). GQA/MQA run without K/V copies where the mask allows (:class:`_Layout`).
 Everything else runs ``flashtile.reference``'s tiled algorithm.
 """
 
@@ -66,9 +69,11 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     return _pytorch_causal(options, q.shape[1], k.shape[1]) is not None
 
 
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    """[B, N, H, D] → float32 [B, H, N, D]."""
-    return t.transpose(1, 2).float()
+def _compute_dtype(q: torch.Tensor, options: AttentionOptions, bias) -> torch.dtype:
+    """The dtype PyTorch's kernel runs in: q's own 16-bit type where the caller does not read the
+    log-sum-exp (and no bias, which the kernel would want in that type too), else float32."""
+    native = not options.returns_lse and bias is None and q.dtype in (torch.float16, torch.bfloat16)
+    return q.dtype if native else torch.float32
 
 
 class _Layout:
@@ -81,6 +86,7 @@ class _Layout:
     """
 
     def __init__(self, q, k, options: AttentionOptions, bias):
+        self.dtype = _compute_dtype(q, options, bias)
         self.batch, self.seqlen_q, self.nheads_q = q.shape[:3]
         self.nheads_k = k.shape[2]
         self.group = self.nheads_q // self.nheads_k
@@ -98,13 +104,13 @@ class _Layout:
         self.bias = bias
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """q, out or dout [B, Nq, Hq, D] → float32 [B, H, rows, D] as the kernel takes them."""
-        t = _heads_first(t)
+        """q, out or dout [B, Nq, Hq, D] → [B, H, rows, D] in the compute dtype, as the kernel takes them."""
+        t = t.transpose(1, 2).to(self.dtype)
         return t.reshape(self.batch, self.nheads_k, self.group * self.seqlen_q, -1) if self.fold else t
 
     def keys(self, t: torch.Tensor) -> torch.Tensor:
-        """k or v [B, Nk, Hk, D] → float32 [B, H, Nk, D]."""
-        t = _heads_first(t)
+        """k or v [B, Nk, Hk, D] → [B, H, Nk, D] in the compute dtype."""
+        t = t.transpose(1, 2).to(self.dtype)
         return t.repeat_interleave(self.group, dim=1) if self.group > 1 and not self.fold else t
 
     def unfold_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +140,7 @@ def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
 
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):
-    """→ (dq, dk, dv) in the inputs' layouts (float32), P rebuilt from ``lse``."""
+    """→ (dq, dk, dv) in the inputs' layouts (in the compute dtype), P rebuilt from ``lse``."""
     layout = _Layout(q, k, options, bias)
     # a row that sees no key: any finite lse rebuilds its P as 0 (its scores are −inf), −inf would give NaN
     lse = lse.masked_fill(torch.isneginf(lse), 0.0).contiguous()

@@ -93,7 +93,8 @@ def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softca
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap, dropout_p,
-                                          max_seqlen_q, max_seqlen_k, deterministic_asked=deterministic)
+                                          max_seqlen_q, max_seqlen_k, deterministic_asked=deterministic,
+                                          returns_lse=return_attn_probs)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     dropout_seed = None
