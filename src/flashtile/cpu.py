@@ -20,7 +20,8 @@ PyTorch's kernel returned log-sum-exps ~5e-5 off float64 (measured at 2×4×37×
 where flashtile keeps them within 1e-5. A call that does not return it (``options.returns_lse``
 False: the default of the public functions) runs PyTorch's 16-bit kernel as SDPA does, forward and
 backward, consistently with its own log-sum-exp: its outputs and gradients meet flash-attn's rule
-(tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"). GQA/MQA run without K/V copies where the mask allows (:class:`_Layout`).
+(tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"). GQA/MQA run
+without K/V copies where the mask allows (:class:`_Layout`).
 Everything else runs ``flashtile.reference``'s tiled algorithm.
 """
 

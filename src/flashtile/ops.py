@@ -93,17 +93,21 @@ _SCHEMAS = {
 _NUM_TENSORS = len(AttentionTensors._fields)
 
 
+def _fields(arguments) -> tuple[AttentionTensors, AttentionOptions]:
+    """The operators' flat trailing arguments → the call's (tensors, options), as given."""
+    return AttentionTensors(*arguments[:_NUM_TENSORS]), AttentionOptions(*arguments[_NUM_TENSORS:])
+
+
 def _call(arguments) -> tuple[AttentionTensors, AttentionOptions]:
-    """The operators' flat trailing arguments → the call's (tensors, options), a packed batch's
-    bounds made non-decreasing (``reference.nondecreasing``): every path then sees the same disjoint
-    sequences, whatever values reached it unchecked."""
-    tensors = AttentionTensors(*arguments[:_NUM_TENSORS])
+    """:func:`_fields`, a packed batch's bounds made non-decreasing (``reference.nondecreasing``): every
+    path then sees the same disjoint sequences, whatever values reached it unchecked."""
+    tensors, options = _fields(arguments)
     if tensors.is_varlen:
         cu_q = reference.nondecreasing(tensors.cu_seqlens_q)
         same = tensors.cu_seqlens_k is tensors.cu_seqlens_q
         tensors = tensors._replace(cu_seqlens_q=cu_q,
                                    cu_seqlens_k=cu_q if same else reference.nondecreasing(tensors.cu_seqlens_k))
-    return tensors, AttentionOptions(*arguments[_NUM_TENSORS:])
+    return tensors, options
 
 
 def out_shape(q, v) -> tuple[int, ...]:
@@ -160,7 +164,7 @@ def _fwd(q, k, v, *arguments):
 
 
 def _fwd_fake(q, k, v, *arguments):
-    tensors, _ = _call(arguments)
+    tensors, _ = _fields(arguments)  # shapes only: the bounds' values do not matter
     return q.new_empty(out_shape(q, v)), q.new_empty(_lse_shape(q, tensors), dtype=torch.float32)
 
 
@@ -214,7 +218,7 @@ def _gradients(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors: Attentio
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
-    tensors, _ = _call(arguments)
+    tensors, _ = _fields(arguments)
     dbias = torch.empty_like(tensors.attn_bias) if bias_grad else q.new_empty((0,), dtype=torch.float32)
     sink = tensors.learnable_sink
     return dbias, (q.new_empty((0,), dtype=torch.float32) if sink is None else torch.empty_like(sink))
@@ -278,7 +282,8 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     _refuse_autograd(dout, q, k, v, out, lse, alibi_slopes)
     options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p,
                                deterministic=bool(deterministic))
-    tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device), learnable_sink=learnable_sink)
+    tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device),
+                               learnable_sink=learnable_sink)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)

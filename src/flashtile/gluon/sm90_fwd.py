@@ -19,8 +19,8 @@ the pieces, still in Python:
   matmuls (an explicit ping-pong turn between them measured no faster: NOTES.md, v0.5);
 * a learnable sink (gpt-oss) joins each row's denominator in the epilogue: with the row's running
   max M (scaled, base 2), sum ℓ and unnormalised output acc, and the sink's logit σ in base 2,
-  ``μ = max(M, σ)``, ``den = ℓ·2^(M−μ) + 2^(σ−μ)``, ``o = acc·2^(M−μ) / den``, ``LSE = (μ + log2 den)·ln 2``:
-  the same mass as starting the online softmax at (σ, 1), and no work in the main loop;
+  ``μ = max(M, σ)``, ``den = ℓ·2^(M−μ) + 2^(σ−μ)``, ``o = acc·2^(M−μ) / den``,
+  ``LSE = (μ + log2 den)·ln 2``: the same mass as starting the online softmax at (σ, 1), and no work in the main loop;
 * causal programs run longest first (reversed Q-block order); only blocks that cross the diagonal
   or the end of the keys pay for masking. Visibility is the causal case of the one rule of
   ``flashtile.triton.scores`` (key ``j`` visible to query ``i`` iff ``j ≤ i + Nk − Nq``), written
@@ -285,7 +285,8 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: float,
-                            causal: bool, learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool,
+                            learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] → (out like q, lse [B, Hq, Nq] float32), for inputs that
     ``flashtile.triton.launch.gluon_usable`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``;
     ``learnable_sink`` float32 [Hq] or None."""
@@ -299,7 +300,8 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     _attn_fwd_sm90_kernel[grid](
         q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        Sinks=lse if learnable_sink is None else learnable_sink, group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
+        Sinks=lse if learnable_sink is None else learnable_sink, group_size=nheads_q // nheads_k,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, num_warps=4,
     )

@@ -67,8 +67,8 @@ from .kvcache import kvcache_append_reference, kvcache_attention_reference
 from .masks import causal_mask, key_range, normalize_window, query_range, visible_mask
 from .rotary import apply_rotary, packed_sequences, rotary_positions
 from .softmax import merge_softmax_states, merge_split_states, online_softmax, output_delta, sink_gradient
-from .varlen import (nondecreasing, packed_rows, sequence_slices, tiled_varlen_attention_backward, tiled_varlen_attention_forward,
-                     varlen_attention_forward)
+from .varlen import (nondecreasing, packed_rows, sequence_slices, tiled_varlen_attention_backward,
+                     tiled_varlen_attention_forward, varlen_attention_forward)
 
 __all__ = [
     "normalize_window",

@@ -7,10 +7,10 @@ index as the batch index and positions within the sequence.
 
 Sequence ``b`` is tokens ``[cu[b], cu[b + 1])`` of cu_seqlens made non-decreasing by a running
 maximum (:func:`nondecreasing`), with both bounds clamped into the token axis
-(:func:`sequence_slices`). This is the rule the kernels apply too (their launchers pass
-``nondecreasing(cu)``), so that any values, however malformed, give disjoint sequences inside the
-tensors and one defined result on every path: a sequence whose bound falls below an earlier one loses
-the tokens before that bound (``[0, 5, 3, 10]`` is ``[0, 5, 5, 10]``), and tokens outside every
+(:func:`sequence_slices`). This is the rule the kernels apply too (the operators of
+``flashtile.ops`` and the KV-cache entry points pass them ``nondecreasing(cu)``), so that any
+values, however malformed, give disjoint sequences inside the tensors and one defined result on
+every path: a sequence whose bound falls below an earlier one loses the tokens before that bound (``[0, 5, 3, 10]`` is ``[0, 5, 5, 10]``), and tokens outside every
 sequence keep output 0 and log-sum-exp −inf. The public functions refuse malformed cu_seqlens before
 this wherever reading them is free (``flashtile._validate``).
 """
@@ -24,8 +24,8 @@ import torch
 
 from .attention import compute_dtype, score_options, standard_forward, tiled_backward, tiled_forward
 
-__all__ = ["nondecreasing", "packed_rows", "sequence_slices", "varlen_attention_forward", "tiled_varlen_attention_forward",
-           "tiled_varlen_attention_backward"]
+__all__ = ["nondecreasing", "packed_rows", "sequence_slices", "varlen_attention_forward",
+           "tiled_varlen_attention_forward", "tiled_varlen_attention_backward"]
 
 
 def nondecreasing(cu_seqlens: torch.Tensor) -> torch.Tensor:
