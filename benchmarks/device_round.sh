@@ -14,9 +14,13 @@
 #                                             and the host time per call of DIR's tree (another checkout, e.g.
 #                                             `git archive REV | tar -x -C DIR`) and of this one, interleaved
 #                                             in one run, then `bench --compare` of the two
+#   bash benchmarks/device_round.sh host DIR  the CUDA tests of the launch paths (plans replayed on compiled kernels),
+#                                             then the host time per call (--layers) of DIR's tree and of this one,
+#                                             interleaved, twice, and the short-sequence kernels (seqlen 512/1024,
+#                                             flashtile and cuDNN) of both
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
-if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR" >&2
+if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -36,6 +40,27 @@ if [ "$1" = tests ]; then
 fi
 if [ "$1" = features ]; then
   timeout ${FEATURES_LIMIT:-470} python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
+  exit
+fi
+if [ "$1" = host ]; then
+  timeout 250 python3 -m pytest -q -n 15 tests/test_plans.py tests/test_flash_attn.py tests/test_variants.py \
+    tests/test_varlen.py tests/test_decode.py tests/test_serving.py tests/test_cuda_graphs.py tests/test_compile.py \
+    tests/test_hopper.py tests/test_sinks.py > $OUT/pytest.log 2>&1
+  grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -15
+  for round in 1 2; do
+    for tree in "$2" .; do
+      name=$([ "$tree" = . ] && echo after || echo before)
+      (cd "$tree" && PYTHONPATH=src timeout 60 python3 benchmarks/host_overhead.py --layers) >> $OUT/host_$name.log 2>&1
+    done
+  done
+  for tree in "$2" .; do
+    name=$([ "$tree" = . ] && echo after || echo before)
+    PYTHONPATH=$tree/src timeout 60 python3 -m flashtile bench --providers flashtile,sdpa_cudnn --seqlens 512,1024 \
+      --modes fwd,bwd --rep 50 --out-dir $OUT/short_$name > $OUT/short_$name.log 2>&1
+  done
+  (cd $OUT && rm -f */*.png */bench.txt)
+  grep -hE "per call|µs" $OUT/host_*.log | head -50
+  grep -hE "^bf16|^flashtile/" $OUT/short_*.log
   exit
 fi
 if [ "$1" = before-after ]; then

@@ -20,8 +20,10 @@ an empty kernel up to the public function, to show which layer the host time is 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -150,6 +152,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", action="store_true", help="also time each layer on its own (GPU)")
     parser.add_argument("--out", help="write the measurements as JSON here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the 25 costliest functions (own time, cProfile) of each flashtile case")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -165,6 +169,16 @@ def main(argv=None):
         records.append(record)
         peer_text = f"   SDPA {record['sdpa_us']:7.1f}" if "sdpa_us" in record else ""
         print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}{peer_text}")
+    if args.profile:
+        for name, ours, _ in _cases(device):
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [ours() for _ in range(args.calls)])
+            sync()
+            print(f"-- {name}: µs per call under cProfile, own time (total with callees)")
+            costliest = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:25]
+            for (file, line, function), (_, _, own, total, _) in costliest:
+                where = f"{os.path.basename(file)}:{line}" if line else ""
+                print(f"  {own / args.calls * 1e6:7.2f} ({total / args.calls * 1e6:7.2f})  {function} {where}")
     if args.layers and device == "cuda":
         print("each layer on its own")
         for name, call in _layers(device):

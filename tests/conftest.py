@@ -6,6 +6,10 @@ under the interpreter on a CPU), "torch" (the CPU tiled path, off the GPU only),
 test asks for it by indirect parametrisation, "triton-tma" (the forward's tensor-descriptor loads,
 which it takes only from ``configs.TMA_MIN_SEQLEN`` on, far beyond the shapes here). On an sm_90
 GPU the launcher's Gluon forward is switched off here and tested in test_hopper.py.
+
+The launchers decide once per call key (``flashtile.triton.plans``) under the policy in force then;
+tests change that policy (the thresholds above, the code-path switches), so every test starts with
+no plans. tests/test_plans.py checks the replays themselves.
 """
 
 import os
@@ -18,7 +22,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from helpers import BACKENDS, DEVICE  # noqa: E402
 
-from flashtile.triton import configs  # noqa: E402
+from flashtile.triton import configs, plans  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_plans_from_other_tests():
+    plans.clear()
+    yield
+    plans.clear()
 
 
 @pytest.fixture

@@ -363,7 +363,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+
+    def shapes() -> str:  # formatted for an error only: this check runs on every decoding step
+        return f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+
     if packed:
         check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device)
         _check_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -373,24 +376,24 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
     else:
         batch, seqlen_q, nheads_q, head_dim = q.shape
     if k_cache.shape[:-1] != v_cache.shape[:-1]:
-        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got {shapes}")
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got {shapes()}")
     nheads_k, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head dims of q and k_cache differ: {shapes}")
-    check_head_dim(head_dim, lambda: shapes, limit=MAX_KVCACHE_HEAD_DIM)
-    check_head_dim(head_dim_v, lambda: shapes, "head dim of v_cache", MAX_KVCACHE_HEAD_DIM_V)
+        raise ValueError(f"head dims of q and k_cache differ: {shapes()}")
+    check_head_dim(head_dim, shapes, limit=MAX_KVCACHE_HEAD_DIM)
+    check_head_dim(head_dim_v, shapes, "head dim of v_cache", MAX_KVCACHE_HEAD_DIM_V)
     if nheads_k == 0 or nheads_q % nheads_k != 0:
-        raise ValueError(f"nheads of q ({nheads_q}) must be a multiple of nheads of the cache ({nheads_k}): {shapes}")
+        raise ValueError(f"nheads of q ({nheads_q}) must be a multiple of nheads of the cache ({nheads_k}): {shapes()}")
     if batch * nheads_k > MAX_GRID_Y:
         raise ValueError(f"batch · nheads of the cache ({batch} · {nheads_k}) must be ≤ {MAX_GRID_Y}, the kernel "
-                         f"grid's second axis: split the batch into several calls ({shapes})")
+                         f"grid's second axis: split the batch into several calls ({shapes()})")
     if k is not None:
         for name, t, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
             dims = "headdim_v" if t is v else "headdim"
             expected, layout = (((total_q, nheads_k, dim), f"(total_q, nheads_k, {dims}), packed like q") if packed
                                 else ((batch, k.shape[1], nheads_k, dim), f"(batch, seqlen_new, nheads_k, {dims})"))
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must be {layout} = {expected}, got {tuple(t.shape)} ({shapes})")
+                raise ValueError(f"{name} must be {layout} = {expected}, got {tuple(t.shape)} ({shapes()})")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when k and v are appended to the cache")
     if isinstance(cache_seqlens, torch.Tensor):
@@ -409,7 +412,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
         if cache_batch_idx is not None:
             _check_int32("cache_batch_idx", cache_batch_idx, (batch,))
         elif k_cache.shape[0] != batch:
-            raise ValueError(f"batch sizes differ: {shapes}; pass cache_batch_idx to use other cache rows")
+            raise ValueError(f"batch sizes differ: {shapes()}; pass cache_batch_idx to use other cache rows")
         capacity = k_cache.shape[1]
     for name, t in ((seqlens_name, cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("block_table", block_table)):

@@ -1,4 +1,5 @@
-"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` operators.
+"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` operators,
+and :func:`attend`, which calls it only where a gradient can be asked for.
 
 Inputs come separate ``(q, k, v)`` or packed (``qkv`` stacked on dim −3, or ``q`` and
 ``kv``); packed inputs are split into views, never copied, and the backward writes
@@ -59,3 +60,19 @@ class FlashAttnFunction(torch.autograd.Function):
         dbias, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
         dsink = dsink if tensors.learnable_sink is not None and ctx.needs_input_grad[9] else None
         return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)
+
+
+def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+           options: AttentionOptions):
+    """``FlashAttnFunction.apply`` with the same arguments → (out, lse); where no gradient can be asked
+    for (grad mode off, or no differentiable input that requires one) the forward operator alone:
+    autograd's Function machinery costs ~20 µs of host time per call on a CPU core, as much as a small
+    call's launch (benchmarks/NOTES.md, "Host time")."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (a, b, c, attn_bias, learnable_sink)):
+        return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
+                                       cu_seqlens_k, learnable_sink, options)
+    q, k, v = unpack(layout, a, b, c)
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    return fwd_op(q, k, v, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+                  *options)

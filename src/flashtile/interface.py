@@ -43,7 +43,7 @@ import torch
 
 from . import _validate, ops, reference
 from ._options import AttentionOptions
-from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, FlashAttnFunction, unpack
+from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, attend, unpack
 
 __all__ = [
     "attention",
@@ -102,8 +102,8 @@ def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softca
         dropout_seed = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=q.device)
     if cu_seqlens_k is cu_seqlens_q:
         cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same"
-    out, lse = FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed,
-                                       cu_seqlens_q, cu_seqlens_k, learnable_sink, options)
+    out, lse = attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                      learnable_sink, options)
     if not return_attn_probs:
         return out
     probs = None

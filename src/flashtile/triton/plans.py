@@ -1,0 +1,168 @@
+"""Launch plans: what a launcher decides for one call key, decided once and replayed after.
+
+A small call is bound by the host, not the GPU (benchmarks/NOTES.md, "Host time on the GPU"):
+``JITFunction.run`` binds and specialises each of a kernel's ~60 arguments on every launch (~13 µs
+of a CPU core for the forward kernel), and the launchers' own Python, which picks the code path,
+configuration, grid and strides, costs ~35 µs more. Everything they decide depends on the call's
+**key** alone: each tensor's shape, strides, dtype, device and address modulo 16 (Triton
+specialises pointer arguments on 16-byte alignment, and the copy engine requires it), and the
+call's scalar options. So a launcher decides once per key:
+
+* on the first call of a key it launches through a :class:`LaunchPlan`, which records each launch's
+  compiled kernel, grid and arguments in the kernel's parameter order, with the call's tensors (and
+  tensor descriptors over them) replaced by their positions in the tuple of the call's tensors
+  that the launcher bound to the plan;
+* later calls with the key allocate their outputs and :meth:`LaunchPlan.replay` the launches: the
+  slots are filled with this call's tensors and the compiled kernel's launcher is called directly,
+  with no binding, specialisation or deciding.
+
+One tensor may fill several slots (``k`` passed as ``v`` too; ``q`` standing in for an absent
+tensor; one ``cu_seqlens`` for queries and keys). Such a recording takes the first slot and notes
+the pair: a replay checks that the same slots hold one tensor again, and where they do not, the
+launcher records the call anew. A launch whose tensor is not among the bound ones (a view made
+inside the launcher) leaves the plan incomplete, and an incomplete plan is never stored: such calls
+keep the full path, correct but slower. Plans hold no tensors. Under ``TRITON_INTERPRET=1`` there
+is no compiled kernel and a replay goes through ``kernel[grid]``, so the CPU tests exercise the slot
+filling; so does a GPU replay while a launch hook (a profiler's) is set.
+
+A plan assumes that the launchers' policy (``configs``, the code-path switches) stays as it was
+when it was recorded: whoever changes the policy calls :func:`clear` (the tests' fixtures do). A
+stale plan would still compute the right result, by the path that was chosen before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = ["LaunchPlan", "clear", "key", "lookup", "store"]
+
+MAX_PLANS = 4096  # keys in use at once; a workload of ever-changing shapes starts over when it is reached
+_PLANS: dict = {}
+
+
+def key(*parts) -> tuple:
+    """A call's key: each tensor as (shape, strides, dtype, device index, address mod 16), anything
+    else (None, options, Python scalars) as it is."""
+    return tuple((p.shape, p.stride(), p.dtype, p.get_device(), p.data_ptr() & 15)
+                 if isinstance(p, torch.Tensor) else p for p in parts)
+
+
+def lookup(call_key: tuple) -> LaunchPlan | None:
+    return _PLANS.get(call_key)
+
+
+def store(call_key: tuple, plan: LaunchPlan) -> None:
+    """Keep a plan whose launches were all recorded (it forgets the tensors it was bound to)."""
+    plan.unbind()
+    if not plan.complete:
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[call_key] = plan
+
+
+def clear() -> None:
+    """Forget every plan: call it after changing the launchers' policy."""
+    _PLANS.clear()
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's) is set: Triton 3.6 keeps them in ``HookChain``s, empty
+    when none is (earlier series: None)."""
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+@functools.cache
+def _stream_of():
+    from triton.runtime import driver  # the GPU's driver, resolved on the first GPU replay only
+    return driver.active.get_current_stream
+
+
+class _Launch:
+    """One recorded launch: ``fills`` are (argument position, slot, descriptor box or None)."""
+
+    __slots__ = ("kernel", "grid", "template", "fills", "options", "compiled")
+
+    def __init__(self, kernel, grid, template, fills, options, compiled):
+        self.kernel, self.grid, self.template, self.fills = kernel, grid, template, fills
+        self.options, self.compiled = options, compiled
+
+
+class LaunchPlan:
+    """The launches of one call key, recorded on its first call and replayed on the next ones.
+    Keyword arguments are the launcher's own decisions for the key (read back as attributes)."""
+
+    def __init__(self, **decisions):
+        self.__dict__.update(decisions)
+        self._decisions = decisions
+        self.launches: list[_Launch] = []
+        self.complete = True
+        self.aliases: set[tuple[int, int]] = set()  # (slot, later slot) bound to one tensor when recorded
+        self._bound: tuple = ()
+
+    def anew(self) -> LaunchPlan:
+        """An empty plan with the same decisions, to record a call that this one could not replay."""
+        return LaunchPlan(**self._decisions)
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self.launches)
+
+    def bind(self, call: tuple) -> None:
+        """The call's tensors (None where absent) that the launches to record may take as arguments."""
+        self._bound = call
+
+    def unbind(self) -> None:
+        self._bound = ()
+
+    def _slot(self, t) -> int | None:
+        slots = [i for i, bound in enumerate(self._bound) if bound is t]
+        self.aliases.update((slots[0], later) for later in slots[1:])
+        return slots[0] if slots else None
+
+    def launch(self, kernel, grid: tuple, arguments: list, options: dict) -> None:
+        """``kernel[grid](*arguments, **options)``, recorded."""
+        compiled = kernel[grid](*arguments, **options)  # compiles on first use; None in the interpreter
+        if hasattr(compiled, "result"):  # Triton's asynchronous compilation mode
+            compiled = compiled.result()
+        template, fills = list(arguments), []
+        for position, value in enumerate(arguments):
+            if isinstance(value, TensorDescriptor):
+                slot, box = self._slot(value.base), (value.shape, value.strides, value.block_shape, value.padding)
+            elif isinstance(value, torch.Tensor):
+                slot, box = self._slot(value), None
+            else:
+                continue
+            if slot is None:
+                self.complete = False
+            fills.append((position, slot, box))
+            template[position] = None  # a plan holds no tensors
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.launches.append(_Launch(kernel, grid, tuple(template), tuple(fills), options,
+                                     compiled if compiled is not None and hasattr(compiled, "function") else None))
+
+    def replay(self, call: tuple) -> bool:
+        """The recorded launches on this call's tensors (bound in the order of the recording's);
+        False, launching nothing, where the slots that held one tensor at the recording do not now."""
+        if any(call[first] is not call[later] for first, later in self.aliases):
+            return False
+        stream = None
+        for launch in self.launches:
+            arguments = list(launch.template)
+            for position, slot, box in launch.fills:
+                t = call[slot]
+                arguments[position] = t if box is None else TensorDescriptor(t, *box)
+            compiled = launch.compiled
+            if compiled is None or _hooked():
+                launch.kernel[launch.grid](*arguments, **launch.options)
+                continue
+            if stream is None:
+                stream = _stream_of()(torch.cuda.current_device())
+            compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *arguments)
+        return True
