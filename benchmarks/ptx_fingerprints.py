@@ -8,6 +8,9 @@ Run it on two trees to show that a change leaves a kernel's machine code as it w
 
     PYTHONPATH=/path/to/old/src python benchmarks/ptx_fingerprints.py old
     PYTHONPATH=src python benchmarks/ptx_fingerprints.py new --wide --serving
+
+(A kernel whose parameters changed hashes differently even where its code did not: compare the PTX
+with the ``.param`` lines dropped and ``param_N`` numbering normalised.)
 """
 
 import argparse
@@ -63,10 +66,11 @@ def main():
 
     results = {}
 
-    def compile_instead(kernel, grid, **arguments):
+    def compile_instead(plan, kernel, grid, **arguments):  # launch._launch, compiling instead of recording
         options = {name: arguments.pop(name) for name in ("num_warps", "num_stages") if name in arguments}
         compiled = kernel.warmup(*[arguments[name] for name in kernel.arg_names], grid=grid, **options)
-        variant = ",".join(f"{name}={arguments[name]}" for name in ("WIDE", "IS_VARLEN_Q", "HAS_LEFTPAD", "HAS_DESCALE")
+        variant = ",".join(f"{name}={arguments[name]}" for name in ("WIDE", "IS_VARLEN_Q", "HAS_LEFTPAD", "HAS_DESCALE",
+                                                                      "IS_PAGED")
                            if name in arguments)
         results[f"{args.label}:{kernel.fn.__name__}:{variant}"] = fingerprint(compiled.asm["ptx"])
 
@@ -103,6 +107,13 @@ def main():
                                          v_descale=scales)
         new = torch.empty(2, 1, 4, 128, dtype=torch.bfloat16)
         launch.kvcache_append(cache8, cache8, new, new, seqlens, k_descale=scales, v_descale=scales)
+        # a paged prefill (150 queries per sequence): the forward kernel with IS_PAGED
+        pages = torch.empty(40, 64, 4, 128, dtype=torch.bfloat16)
+        table = torch.zeros(2, 20, dtype=torch.int32)
+        launch.kvcache_attention_forward(torch.empty(300, 8, 128, dtype=torch.bfloat16), pages, pages, seqlens, None,
+                                         table, AttentionOptions(0.1, window_right=0),
+                                         cu_seqlens_q=torch.tensor([0, 150, 300], dtype=torch.int32),
+                                         max_seqlen_q=150)
     for key, value in sorted(results.items()):
         print(key, json.dumps(value))
 

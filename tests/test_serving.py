@@ -19,7 +19,10 @@ import torch
 from helpers import DEVICE, assert_accurate
 
 import flashtile
+from flashtile import ops
+from flashtile._options import AttentionOptions
 from flashtile.reference import kvcache_attention_reference
+from flashtile.triton import configs, launch, plans
 
 SEQLENS_Q = [1, 37, 1, 5, 0, 3]  # decode rows, a prefill chunk, a prompt from scratch, an idle slot
 SEQUSED_K = [20, 60, 1, 5, 9, 3]  # keys per sequence, the new queries' own included
@@ -81,9 +84,20 @@ def _check(out, lse, refs):
     torch.testing.assert_close(lse[seen].double(), refs[0][1][seen].double(), rtol=0, atol=1e-5)
 
 
+@pytest.fixture(params=["kvcache-kernel", "forward-kernel"])
+def paged_route(request, backend, monkeypatch):
+    """Which Triton kernel takes packed queries against a paged cache: the KV-cache kernel, or (every
+    batch counting as a prefill here) the forward kernel with IS_PAGED; the PyTorch path has one route."""
+    if request.param == "forward-kernel":
+        if backend == "torch":
+            pytest.skip("the PyTorch path has one route")
+        monkeypatch.setattr(configs, "PAGED_PREFILL_MIN_QUERIES", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 256], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_paged_varlen_prefill(backend, variant, page_size):
+def test_paged_varlen_prefill(paged_route, variant, page_size):
     g = torch.Generator().manual_seed(page_size)
     nheads, nheads_k, head_dim, dtype = 4, 2, 32, torch.bfloat16
     k_cache, v_cache, block_table = paged_cache(SEQUSED_K, page_size, nheads_k, head_dim, dtype, g)
@@ -96,6 +110,44 @@ def test_paged_varlen_prefill(backend, variant, page_size):
     refs = [per_sequence_reference(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, dt, **options)
             for dt in (torch.float64, dtype)]
     _check(out, lse, refs)
+
+
+def test_paged_prefill_route():
+    # the forward kernel takes a batch of prefills (64 queries a sequence on average, or more), and
+    # leaves decoding rows and the KV-cache kernel's own features to it
+    table, cu = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 100, 130], dtype=torch.int32)
+    cache, q = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16), torch.empty(130, 4, 64, dtype=torch.bfloat16)
+
+    def usable(q=q, cache=cache, table=table, cu=cu, **features):
+        arguments = {**dict(cache_batch_idx=None, cache_leftpad=None, k_descale=None, rotary_cos=None), **features}
+        return launch.paged_prefill_usable(q, cache, cache, block_table=table, cu_seqlens_q=cu, **arguments)
+
+    assert configs.PAGED_PREFILL_MIN_QUERIES == 64 and usable()
+    assert not usable(q=q[:127])  # 63.5 queries a sequence: decoding rows among them
+    assert not usable(table=None) and not usable(cu=None)
+    assert not usable(k_descale=torch.ones(2, 2)) and not usable(cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    assert not usable(rotary_cos=torch.ones(4, 8)) and not usable(config=dict(BLOCK_N=32))
+    assert not usable(q=torch.empty(130, 4, 288, dtype=torch.bfloat16),
+                      cache=torch.empty(8, 16, 2, 288, dtype=torch.bfloat16))  # beyond the forward kernel's 256
+
+
+def test_page_ids_outside_the_cache_hide_their_keys_on_both_routes(monkeypatch):
+    # the KV-cache kernel's rule, which the forward kernel repeats: such a page's keys are invisible
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache, block_table = paged_cache(SEQUSED_K, 16, 2, 32, torch.float32, g)
+    block_table[1, 1], block_table[3, 0] = -1, k_cache.shape[0] + 5
+    q = torch.randn(sum(SEQLENS_Q), 4, 32, generator=g).to(DEVICE)
+    cu_seqlens_q, seqused_k = cumulative(SEQLENS_Q), torch.tensor(SEQUSED_K, dtype=torch.int32, device=DEVICE)
+    results = []
+    for min_queries in (configs.PAGED_PREFILL_MIN_QUERIES, 1):
+        monkeypatch.setattr(configs, "PAGED_PREFILL_MIN_QUERIES", min_queries)
+        plans.clear()
+        # the operator itself: the public function refuses such a table where it can read it (here, on a CPU)
+        results.append(ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table,
+                                             AttentionOptions(32 ** -0.5, window_right=0), cu_seqlens_q=cu_seqlens_q,
+                                             max_seqlen_q=max(SEQLENS_Q)))
+    for by_kvcache, by_forward in zip(*results):
+        torch.testing.assert_close(by_forward, by_kvcache, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_varlen_lengths_from_cu_seqlens_k(backend):

@@ -20,7 +20,8 @@ score pipeline and block ranges are in ``flashtile.triton.scores``): sliding win
 causal (``MASK_LEFT``/``MASK_RIGHT``; blocks outside the window are skipped),
 softcap, ALiBi, an additive bias, dropout on P (Philox; the backward regenerates
 the mask), and variable-length batches (``IS_VARLEN``: sequences packed along
-one token axis, located through ``cu_seqlens``; the grid covers the longest).
+one token axis, located through ``cu_seqlens``; the grid covers the longest), and in the forward
+paged K/V (``IS_PAGED``: a paged prefill; each key block's rows gathered through the block table).
 
 No atomics anywhere: every output element is written by exactly one program,
 so the backward is bitwise deterministic run to run.
@@ -134,32 +135,52 @@ def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d
 
 
 @triton.jit
+def _load_paged(base, b_page, cols, m_n, o_d, m_d, stride_p, stride_s, stride_d, page_size):
+    """Keys ``cols`` of one head from a paged cache, [BLOCK_N, BLOCK_D]: key j at row j % page_size of
+    page ``b_page`` (its page id, already made 0 where ``m_n`` is off)."""
+    rows = b_page * stride_p + (cols % page_size) * stride_s  # [BLOCK_N]
+    return tl.load(base + rows[:, None] + o_d[None, :] * stride_d, mask=m_n[:, None] & m_d[None, :], other=0.0)
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, lo, hi,
     o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_b, i_hk, i_bh, diagonal, seqlen_k,
-    stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bm, stride_bn,
+    table_row, stride_tn, page_size, num_pages,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr, IS_PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over K/V blocks [lo, hi). ``APPLY_MASK`` is off for the blocks that
-    every row sees whole (in bounds, inside the window): they need no bounds or mask work."""
+    every row sees whole (in bounds, inside the window): they need no bounds or mask work.
+    ``IS_PAGED``: K and V are paged caches read through the sequence's row of the block table
+    (``table_row``); every block is masked, since a page id outside the cache hides its keys."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
-        b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
-                          APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_dv, m_dv, stride_vs, stride_vd,
-                          APPLY_MASK, EVEN_DV, USE_TMA, BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
+        if IS_PAGED:
+            # the KV-cache kernel's rule: key j lives in page block_table[b, j // page_size], and a page
+            # id outside the cache makes its keys invisible and is never dereferenced
+            b_page = tl.load(table_row + (cols // page_size) * stride_tn, mask=m_n, other=0).to(tl.int64)
+            m_n = m_n & (b_page >= 0) & (b_page < num_pages)
+            b_page = tl.where(m_n, b_page, 0)
+            b_k = _load_paged(k_src, b_page, cols, m_n, o_d, m_d, stride_kb, stride_ks, stride_kd, page_size)
+            b_v = _load_paged(v_src, b_page, cols, m_n, o_dv, m_dv, stride_vb, stride_vs, stride_vd, page_size)
+        else:
+            b_k = _load_block(k_src, i_b, i_hk, start_n, cols, m_n, o_d, m_d, stride_ks, stride_kd,
+                              APPLY_MASK, EVEN_D, USE_TMA, BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+            b_v = _load_block(v_src, i_b, i_hk, start_n, cols, m_n, o_dv, m_dv, stride_vs, stride_vd,
+                              APPLY_MASK, EVEN_DV, USE_TMA, BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
             bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
-            APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
+            APPLY_MASK or IS_PAGED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
         )
         # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
         #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
@@ -180,25 +201,30 @@ def _attn_fwd_inner(
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK, Sinks,
+    Q, K, V, Out, Lse, Bias, AlibiSlopes, Seed, CuSeqlensQ, CuSeqlensK, Sinks, BlockTable, SequsedK,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_ab,
-    nheads_q, group_size, seqlen_q, seqlen_k,
+    stride_ab, stride_tb, stride_tn,
+    nheads_q, group_size, seqlen_q, seqlen_k, page_size, num_pages,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IS_PAGED: tl.constexpr,
     HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
     """``USE_TMA``: Q, K, V and Out are tensor descriptors (not packed), else pointers.
     ``HAS_SINK``: ``Sinks`` (nheads_q,) float32 logits join each row's denominator (no value).
-    ``HEAD_DIM_V``: the head dim of V and Out (MLA's differs from Q's and K's ``HEAD_DIM``)."""
+    ``HEAD_DIM_V``: the head dim of V and Out (MLA's differs from Q's and K's ``HEAD_DIM``).
+    ``IS_PAGED`` (with ``IS_VARLEN``: packed queries): K and V are paged caches [num_pages, page_size,
+    nheads_k, head_dim] and sequence b's keys are the first ``SequsedK[b]`` slots of the pages in row b
+    of ``BlockTable``, clamped to ``seqlen_k`` (the table's capacity); ``CuSeqlensK`` is then unread in
+    effect (its bounds are replaced)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_qb, stride_qs, stride_qh = widen(stride_qb, WIDE), widen(stride_qs, WIDE), widen(stride_qh, WIDE)
@@ -207,8 +233,12 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh = widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
     stride_lb, stride_lh = widen(stride_lb, WIDE), widen(stride_lh, WIDE)
     stride_bb, stride_bh, stride_bm = widen(stride_bb, WIDE), widen(stride_bh, WIDE), widen(stride_bm, WIDE)
+    capacity = seqlen_k
     i_m, i_hq, i_b, q_start, seqlen_q, k_start, seqlen_k = _program(CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k,
                                                                     IS_VARLEN)
+    if IS_PAGED:  # a sequence's keys, clamped into the table's pages: no value reaches outside the cache
+        k_start = 0
+        seqlen_k = tl.minimum(tl.maximum(tl.load(SequsedK + i_b), 0), capacity)
     i_bh = i_b * nheads_q + i_hq
     i_hk = i_hq // group_size
     if i_m * BLOCK_M >= seqlen_q:
@@ -222,13 +252,20 @@ def attn_fwd_kernel(
     m_d = o_d < HEAD_DIM
     m_dv = o_dv < HEAD_DIM_V
 
+    table_row = BlockTable
+    if IS_PAGED:
+        table_row = BlockTable + i_b.to(tl.int64) * stride_tb
     if USE_TMA:
         k_src = K
         v_src = V
         b_q = Q.load([i_b, i_m * BLOCK_M, i_hq, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
-        v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
+        if IS_PAGED:  # each block's rows are found through the table: only the head is fixed here
+            k_src = K + i_hk * stride_kh
+            v_src = V + i_hk * stride_vh
+        else:
+            k_src = K + i_b * stride_kb + k_start * stride_ks + i_hk * stride_kh
+            v_src = V + i_b * stride_vb + k_start * stride_vs + i_hk * stride_vh
         p_q = (Q + i_b * stride_qb + q_start * stride_qs + i_hq * stride_qh
                + o_m[:, None] * stride_qs + o_d[None, :] * stride_qd)
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -249,11 +286,12 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, b_q, k_src, v_src, bias_base, seed, run_lo, run_hi,
             o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_b, i_hk, i_bh, diagonal, seqlen_k,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bm, stride_bn,
+            table_row, stride_tn, page_size, num_pages,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
             run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            HEAD_DIM_V == BLOCK_DV, USE_TMA, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
+            HEAD_DIM_V == BLOCK_DV, USE_TMA, IS_PAGED, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION,
         )
 
     out, lse = normalise(acc, l_i, m_i)

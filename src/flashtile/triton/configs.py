@@ -16,6 +16,11 @@ TMA_MIN_SEQLEN = 4096
 # (head dim, causal): the seqlen from which the Gluon forward (flashtile.gluon.sm90_fwd) beat the Triton
 # one on the H200: at head dim 128 everywhere (1.1-1.4x), at 64 from 2048 (causal 8192) on (NOTES.md, v0.5).
 GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 2048, (64, True): 8192}
+# Packed queries against a paged cache: from this many queries per sequence on average on, the forward
+# kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
+# than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). Not yet
+# measured on a GPU (benchmarks/NOTES.md, tenth session).
+PAGED_PREFILL_MIN_QUERIES = 64
 
 # Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
 # (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).

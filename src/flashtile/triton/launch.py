@@ -12,7 +12,11 @@ This is where the code paths are chosen:
   an sm_90 GPU for the same plain calls unless ``deterministic`` is asked for; else it is three
   launches: D = rowsum(dO ∘ O), then the dK/dV kernel, then the dQ kernel, with no atomics;
 * the KV-cache forward plans its split count (:func:`split_plan`) and merges the splits with
-  ``merge.merge_states_kernel``.
+  ``merge.merge_states_kernel``; packed queries against a paged cache that average enough queries per
+  sequence (a prefill: :func:`paged_prefill_usable`) run the forward kernel instead, reading K and V
+  through the block table (``IS_PAGED``).
+
+Every launcher decides once per call key and replays its launches after (``plans``).
 
 Every kernel argument is given by name (``stride_{tensor}{axis}`` for strides) and put in the
 kernel's parameter order by :func:`_launch`, so that reordering a kernel's parameters cannot
@@ -31,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import gluon
 from .._options import AttentionOptions, AttentionTensors
+from .._validate import MAX_HEAD_DIM
 from . import _interpreter, configs, plans
 from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
 from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
@@ -301,8 +306,18 @@ def _record_forward(plan: plans.LaunchPlan, q, k, v, out, lse, options: Attentio
         **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
         **_token_strides("o", out), **_lse_strides(lse),
         HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, WIDE=wide, **cfg,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, WIDE=wide, **_pages(None, None, k), **cfg,
     )
+
+
+def _pages(block_table, seqused_k, k_cache) -> dict:
+    """The forward kernel's paged-cache arguments (``IS_PAGED``); without a table, stand-ins (``k_cache``,
+    never read)."""
+    if block_table is None:
+        return dict(BlockTable=k_cache, SequsedK=k_cache, stride_tb=0, stride_tn=0, page_size=1, num_pages=1,
+                    IS_PAGED=False)
+    return dict(BlockTable=block_table, SequsedK=seqused_k, **_strides("t", "bn", block_table.stride()),
+                page_size=k_cache.shape[1], num_pages=k_cache.shape[0], IS_PAGED=True)
 
 
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors,
@@ -472,11 +487,18 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         lead, rows = (batch, seqlen_q), seqlen_q
     head_dim_v = v_cache.shape[-1]
     if plan is None:
-        max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-        cfg, num_m_blocks, splits = split_plan(batch, seqlen_q, nheads_q // k_cache.shape[2], k_cache.shape[2],
-                                               max(head_dim, head_dim_v), q.dtype, max_seqlen_k, q.device,
-                                               num_splits, config)
-        plan = plans.LaunchPlan(cfg=cfg, num_m_blocks=num_m_blocks, num_splits=splits)
+        if paged_prefill_usable(q, k_cache, v_cache, cache_batch_idx, block_table, cu_seqlens_q, cache_leftpad,
+                                k_descale, rotary_cos, config):
+            plan = plans.LaunchPlan(prefill=True)
+        else:
+            max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+            cfg, num_m_blocks, splits = split_plan(batch, seqlen_q, nheads_q // k_cache.shape[2], k_cache.shape[2],
+                                                   max(head_dim, head_dim_v), q.dtype, max_seqlen_k, q.device,
+                                                   num_splits, config)
+            plan = plans.LaunchPlan(prefill=False, cfg=cfg, num_m_blocks=num_m_blocks, num_splits=splits)
+    if plan.prefill:
+        return _paged_prefill(plan, call_key, q, k_cache, v_cache, seqlens_k, block_table, options, alibi_slopes,
+                              learnable_sink, cu_seqlens_q, max_seqlen_q, out)
     # packed queries: tokens that no sequence covers are never written, so they start at 0 and -inf
     allocate = functools.partial(torch.zeros if varlen else torch.empty, device=q.device)
     empty_lse = functools.partial(torch.full, fill_value=float("-inf")) if varlen else torch.empty
@@ -511,6 +533,62 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         if plan.num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
     return (out[0], lse[0]) if varlen else (out, lse)
+
+
+def paged_prefill_usable(q, k_cache, v_cache, cache_batch_idx, block_table, cu_seqlens_q, cache_leftpad, k_descale,
+                         rotary_cos, config=None) -> bool:
+    """Whether packed queries against a paged cache run the forward kernel (``attn_fwd_kernel`` with
+    ``IS_PAGED``: BLOCK_M query rows of one head per program, as a contiguous varlen forward) rather than
+    the KV-cache kernel, which packs a GQA group's heads into its rows and suits a few queries per
+    sequence: when the sequences average ``configs.PAGED_PREFILL_MIN_QUERIES`` queries or more (a
+    prefill or a chunked prefill, not a batch of decoding rows), without the KV-cache kernel's own
+    features (a float8 cache, rotary, cache_leftpad, block shapes given by ``config``), at head dims
+    the forward kernel has."""
+    if block_table is None or cu_seqlens_q is None or config is not None:
+        return False
+    if any(t is not None for t in (cache_batch_idx, cache_leftpad, k_descale, rotary_cos)):
+        return False
+    batch = cu_seqlens_q.shape[0] - 1
+    return (max(q.shape[-1], v_cache.shape[-1]) <= MAX_HEAD_DIM and k_cache.dtype == q.dtype
+            and q.shape[0] >= configs.PAGED_PREFILL_MIN_QUERIES * max(batch, 1))
+
+
+def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, seqused_k, block_table,
+                   options: AttentionOptions, alibi_slopes, learnable_sink, cu_seqlens_q, max_seqlen_q, out):
+    """Packed queries [total_q, Hq, D] against a paged cache by the forward kernel (:func:`paged_prefill_usable`)
+    → (out [total_q, Hq, Dv], lse [Hq, total_q]); tokens outside every sequence get 0 and −inf."""
+    total_q, nheads_q, head_dim = q.shape
+    head_dim_v = v_cache.shape[-1]
+    out = torch.zeros((total_q, nheads_q, head_dim_v), dtype=q.dtype, device=q.device) if out is None else out.zero_()
+    lse = torch.full((nheads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    call = (q, k_cache, v_cache, out, lse, seqused_k, block_table, alibi_slopes, learnable_sink, cu_seqlens_q)
+    with launch_device(q):
+        if plan.recorded and not plan.replay(call):
+            plan = plan.anew()
+        if not plan.recorded:
+            plan.bind(call)
+            batch, capacity = block_table.shape[0], block_table.shape[1] * k_cache.shape[1]
+            tensors = AttentionTensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                       cu_seqlens_k=cu_seqlens_q,  # a stand-in: IS_PAGED replaces the key bounds
+                                       learnable_sink=learnable_sink)
+            shape = (batch, max_seqlen_q, capacity, nheads_q, k_cache.shape[2], head_dim)
+            padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
+            cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0, False, False)
+            arguments = _variant_arguments(options, tensors, q, k_cache, shape, None)
+            arguments.update(seqlen_k=capacity)  # the table's capacity, which clamps each sequence's key count
+            _launch(
+                plan, attn_fwd_kernel, (cdiv(max_seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
+                Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, **arguments,
+                Sinks=q if learnable_sink is None else learnable_sink,
+                **_token_strides("q", q), **_token_strides("k", k_cache), **_token_strides("v", v_cache),
+                **_token_strides("o", out), **_lse_strides(lse),
+                HAS_SINK=learnable_sink is not None, USE_TMA=False, HEAD_DIM=head_dim, BLOCK_D=padded,
+                HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
+                WIDE=wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out),
+                **_pages(block_table, seqused_k, k_cache), **cfg,
+            )
+            plans.store(call_key, plan)
+    return out, lse
 
 
 def _record_kvcache_attention(plan: plans.LaunchPlan, q, k_cache, v_cache, out_part, lse_part, seqlens_k,
