@@ -54,7 +54,7 @@ def main(argv=None):
         options = AttentionOptions(head_dim ** -0.5)
         cache_bytes = k_cache.numel() * k_cache.element_size() * (1 if head_dim_v < head_dim else 2)
         copy = _copy_bandwidth(k_cache)
-        default = configs.decode_config(max(head_dim, head_dim_v), q.dtype, nheads // nheads_k)
+        default = configs.decode_config(max(head_dim, head_dim_v), q.dtype, nheads // nheads_k, dtype)
         print(f"{name}: cache {cache_bytes / 1e9:.2f} GB per step, copy {copy / 1e12:.2f} TB/s, default {default}")
         for block_n, warps, stages in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES):
             config = dict(default, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

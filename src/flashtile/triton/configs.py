@@ -93,13 +93,18 @@ def decode_chunk_d(head_dim: int) -> int:
     return block_d(head_dim) if head_dim <= 256 else 64
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
-    """Block shapes of the KV-cache kernel (``head_dim``: the larger of Q/K's and V's): the M block
-    holds the packed (query position, head) rows, at least 16 for tl.dot. Beyond 256 (absorbed MLA,
-    a [BLOCK_M, 512] float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
+def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int, cache_dtype: torch.dtype | None = None) -> dict:
+    """Block shapes of the KV-cache kernel (``head_dim``: the larger of Q/K's and V's; ``dtype``: q's,
+    ``cache_dtype``: the cache's if it differs): the M block holds the packed (query position, head)
+    rows, at least 16 for tl.dot. A float8 cache takes 128-key blocks at head dim ≤ 128, the bytes
+    in flight of bf16's 64 (H100, batch 16, 8192 keys, 32:8: 128-143 µs in 5 of 6 such configurations
+    against 187 at 64 keys; results/h100_host_2026-12-05.md). Beyond 256 (absorbed MLA, a [BLOCK_M, 512]
+    float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
     wide = dtype == torch.float32
     block_m = min(64, max(16, next_power_of_2(query_rows)))
     if head_dim <= 128:
+        if cache_dtype is not None and cache_dtype.itemsize == 1:
+            return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=2)
         return dict(BLOCK_M=block_m, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
     if head_dim <= 256:
         return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)

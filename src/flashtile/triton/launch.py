@@ -434,14 +434,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_plan(batch, seqlen_q, group_size, nheads_k, head_dim, dtype, max_seqlen_k, device, num_splits=0,
-               config=None):
+               config=None, cache_dtype=None):
     """→ (block config, query-row blocks, split count) of a call; num_splits 0 = heuristic;
-    ``head_dim``: the larger of Q/K's and V's.
+    ``head_dim``: the larger of Q/K's and V's; ``cache_dtype``: the cache's (a float8 cache has blocks of its own).
 
     The heuristic sees the cache's capacity (max_seqlen_k), not the valid lengths, which
     live on the device: reading them would cost a host sync per decoding step.
     """
-    cfg = dict(configs.decode_config(head_dim, dtype, seqlen_q * group_size), **(config or {}))
+    cfg = dict(configs.decode_config(head_dim, dtype, seqlen_q * group_size, cache_dtype), **(config or {}))
     num_m_blocks = cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
     num_key_blocks = max(1, cdiv(max_seqlen_k, cfg["BLOCK_N"]))
     if num_splits == 0:
@@ -494,7 +494,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
             max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
             cfg, num_m_blocks, splits = split_plan(batch, seqlen_q, nheads_q // k_cache.shape[2], k_cache.shape[2],
                                                    max(head_dim, head_dim_v), q.dtype, max_seqlen_k, q.device,
-                                                   num_splits, config)
+                                                   num_splits, config, k_cache.dtype)
             plan = plans.LaunchPlan(prefill=False, cfg=cfg, num_m_blocks=num_m_blocks, num_splits=splits)
     if plan.prefill:
         return _paged_prefill(plan, call_key, q, k_cache, v_cache, seqlens_k, block_table, options, alibi_slopes,
