@@ -5,7 +5,8 @@ which reads twice the bytes at 0.95) and absorbed MLA (576/512) at 0.56. Both us
 ``configs.decode_config``: a float8 tile of 64 keys is half the bytes in flight per stage, and the
 MLA blocks were never tuned on a GPU. This times each candidate (BLOCK_N, num_warps, num_stages; BLOCK_M
 as the table has it) for each case, the split count by the heuristic, and prints the cache's read
-bandwidth against a copy of the same bytes in the same run.
+bandwidth against a copy of the same bytes in the same run. (The tenth session's run read K and V
+from one tensor; V is now a tensor of its own except for MLA, whose V is part of the latent.)
 
     python benchmarks/decode_tune.py --out tune_decode.json
 """
@@ -48,7 +49,10 @@ def main(argv=None):
     for name, batch, keys, nheads, nheads_k, head_dim, head_dim_v, dtype in CASES:
         q = torch.randn(batch, 1, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
         k_cache = torch.randn(batch, keys, nheads_k, head_dim, device="cuda").to(dtype)
-        v_cache = k_cache[..., :head_dim_v]  # absorbed MLA: V is the first 512 channels of the latent
+        # absorbed MLA: V is the first 512 channels of the latent (one tensor, as engines store it);
+        # otherwise a V of its own, so that the step reads both from DRAM
+        v_cache = (k_cache[..., :head_dim_v] if head_dim_v < head_dim
+                   else torch.randn(batch, keys, nheads_k, head_dim_v, device="cuda").to(dtype))
         seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
         scales = torch.ones(batch, nheads_k, device="cuda") if dtype != torch.bfloat16 else None
         options = AttentionOptions(head_dim ** -0.5)
