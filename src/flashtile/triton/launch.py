@@ -276,12 +276,8 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
         out, lse = _forward_outputs(q, v.shape[-1], batch, nheads_q, seqlen_q, tensors)
         bias = _expanded_bias(tensors, shape)
         call = (q, k, v, out, lse, bias, *tensors)
-        if plan.recorded and not plan.replay(call):
-            plan = plan.anew()
-        if not plan.recorded:
-            plan.bind(call)
-            _record_forward(plan, q, k, v, out, lse, options, tensors, bias, shape)
-            plans.store(call_key, plan)
+        plans.replay_or_record(call_key, plan, call, lambda plan: _record_forward(
+            plan, q, k, v, out, lse, options, tensors, bias, shape))
     return out, lse
 
 
@@ -355,12 +351,8 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     bias = _expanded_bias(tensors, shape)
     call = (dout, q, k, v, out, lse, dq, dk, dv, delta, dbias, bias, *tensors)
     with launch_device(q):
-        if plan.recorded and not plan.replay(call):
-            plan = plan.anew()
-        if not plan.recorded:
-            plan.bind(call)
-            _record_backward(plan, dout, q, k, v, out, lse, options, tensors, dq, dk, dv, delta, dbias, bias, shape)
-            plans.store(call_key, plan)
+        plans.replay_or_record(call_key, plan, call, lambda plan: _record_backward(
+            plan, dout, q, k, v, out, lse, options, tensors, dq, dk, dv, delta, dbias, bias, shape))
     if dbias is not None:
         dbias = dbias.sum_to_size(tensors.attn_bias.shape).to(tensors.attn_bias.dtype)
     return dbias, delta
@@ -521,15 +513,10 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     call = (q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx, table, slopes, learnable_sink,
             cu_seqlens_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start)
     with launch_device(q):
-        if plan.recorded and not plan.replay(call):
-            plan = plan.anew()
-        if not plan.recorded:
-            plan.bind(call)
-            _record_kvcache_attention(plan, q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx,
-                                      block_table, table, slopes, options, alibi_slopes, learnable_sink, cu_seqlens_q,
-                                      cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start,
-                                      rotary_interleaved, head_dim, nheads_q, batch, rows)
-            plans.store(call_key, plan)
+        plans.replay_or_record(call_key, plan, call, lambda plan: _record_kvcache_attention(
+            plan, q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx, block_table, table, slopes,
+            options, alibi_slopes, learnable_sink, cu_seqlens_q, cache_leftpad, k_descale, v_descale, rotary_cos,
+            rotary_sin, rotary_start, rotary_interleaved, head_dim, nheads_q, batch, rows))
         if plan.num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
     return (out[0], lse[0]) if varlen else (out, lse)
@@ -562,32 +549,31 @@ def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, sequse
     out = torch.zeros((total_q, nheads_q, head_dim_v), dtype=q.dtype, device=q.device) if out is None else out.zero_()
     lse = torch.full((nheads_q, total_q), float("-inf"), dtype=torch.float32, device=q.device)
     call = (q, k_cache, v_cache, out, lse, seqused_k, block_table, alibi_slopes, learnable_sink, cu_seqlens_q)
+
+    def record(plan: plans.LaunchPlan) -> None:
+        batch, capacity = block_table.shape[0], block_table.shape[1] * k_cache.shape[1]
+        tensors = AttentionTensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_q,  # a stand-in: IS_PAGED replaces the key bounds
+                                   learnable_sink=learnable_sink)
+        shape = (batch, max_seqlen_q, capacity, nheads_q, k_cache.shape[2], head_dim)
+        padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
+        cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0, False, False)
+        arguments = _variant_arguments(options, tensors, q, k_cache, shape, None)
+        arguments.update(seqlen_k=capacity)  # the table's capacity, which clamps each sequence's key count
+        _launch(
+            plan, attn_fwd_kernel, (cdiv(max_seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
+            Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, **arguments,
+            Sinks=q if learnable_sink is None else learnable_sink,
+            **_token_strides("q", q), **_token_strides("k", k_cache), **_token_strides("v", v_cache),
+            **_token_strides("o", out), **_lse_strides(lse),
+            HAS_SINK=learnable_sink is not None, USE_TMA=False, HEAD_DIM=head_dim, BLOCK_D=padded,
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
+            WIDE=wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out),
+            **_pages(block_table, seqused_k, k_cache), **cfg,
+        )
+
     with launch_device(q):
-        if plan.recorded and not plan.replay(call):
-            plan = plan.anew()
-        if not plan.recorded:
-            plan.bind(call)
-            batch, capacity = block_table.shape[0], block_table.shape[1] * k_cache.shape[1]
-            tensors = AttentionTensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                       cu_seqlens_k=cu_seqlens_q,  # a stand-in: IS_PAGED replaces the key bounds
-                                       learnable_sink=learnable_sink)
-            shape = (batch, max_seqlen_q, capacity, nheads_q, k_cache.shape[2], head_dim)
-            padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
-            cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0, False, False)
-            arguments = _variant_arguments(options, tensors, q, k_cache, shape, None)
-            arguments.update(seqlen_k=capacity)  # the table's capacity, which clamps each sequence's key count
-            _launch(
-                plan, attn_fwd_kernel, (cdiv(max_seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
-                Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, **arguments,
-                Sinks=q if learnable_sink is None else learnable_sink,
-                **_token_strides("q", q), **_token_strides("k", k_cache), **_token_strides("v", v_cache),
-                **_token_strides("o", out), **_lse_strides(lse),
-                HAS_SINK=learnable_sink is not None, USE_TMA=False, HEAD_DIM=head_dim, BLOCK_D=padded,
-                HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
-                WIDE=wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out),
-                **_pages(block_table, seqused_k, k_cache), **cfg,
-            )
-            plans.store(call_key, plan)
+        plans.replay_or_record(call_key, plan, call, record)
     return out, lse
 
 
@@ -677,14 +663,9 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, 
     call = (k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, table, cu_seqlens_new, k_descale, v_descale,
             rotary_cos, rotary_sin)
     with launch_device(k):
-        if plan.recorded and plan.replay(call):
-            return
-        plan = plan.anew()
-        plan.bind(call)
-        _record_kvcache_append(plan, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, table,
-                               cu_seqlens_new, max_seqlen_new, k_descale, v_descale, rotary_cos, rotary_sin,
-                               rotary_interleaved)
-        plans.store(call_key, plan)
+        plans.replay_or_record(call_key, plan, call, lambda plan: _record_kvcache_append(
+            plan, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, table, cu_seqlens_new,
+            max_seqlen_new, k_descale, v_descale, rotary_cos, rotary_sin, rotary_interleaved))
 
 
 def _record_kvcache_append(plan: plans.LaunchPlan, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
@@ -727,11 +708,8 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
     call_key = plans.key("merge", outs, lses, out, lse)
     plan = plans.lookup(call_key) or plans.LaunchPlan()
     call = (outs, lses, out, lse)
-    with launch_device(outs):
-        if plan.recorded and plan.replay(call):
-            return
-        plan = plan.anew()
-        plan.bind(call)
+
+    def record(plan: plans.LaunchPlan) -> None:
         block_s = min(16, next_power_of_2(seqlen))
         _launch(
             plan, merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
@@ -740,4 +718,6 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
             num_parts=outs.shape[0], seqlen=seqlen, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
             BLOCK_S=block_s, WIDE=wide_offsets(outs=outs, lses=lses, out=out, lse=lse),
         )
-        plans.store(call_key, plan)
+
+    with launch_device(outs):
+        plans.replay_or_record(call_key, plan, call, record)

@@ -38,7 +38,7 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["LaunchPlan", "clear", "key", "lookup", "store"]
+__all__ = ["LaunchPlan", "clear", "key", "lookup", "replay_or_record", "store"]
 
 MAX_PLANS = 4096  # keys in use at once; a workload of ever-changing shapes starts over when it is reached
 _PLANS: dict = {}
@@ -63,6 +63,20 @@ def store(call_key: tuple, plan: LaunchPlan) -> None:
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     _PLANS[call_key] = plan
+
+
+def replay_or_record(call_key: tuple, plan: LaunchPlan, call: tuple, record) -> LaunchPlan:
+    """Every launcher's last step: ``plan``'s launches replayed on ``call``, or, on the key's first call
+    (or where the recording's aliases do not hold), ``record(plan)`` makes them through a plan bound to
+    ``call`` (anew, with the same decisions), which is then stored under ``call_key``. → the plan used."""
+    if plan.recorded and plan.replay(call):
+        return plan
+    if plan.recorded:
+        plan = plan.anew()
+    plan.bind(call)
+    record(plan)
+    store(call_key, plan)
+    return plan
 
 
 def clear() -> None:
