@@ -8,7 +8,7 @@ as the table has it) for each case, the split count by the heuristic, and prints
 bandwidth against a copy of the same bytes in the same run. (The tenth session's run read K and V
 from one tensor; V is now a tensor of its own except for MLA, whose V is part of the latent.)
 
-    python benchmarks/decode_tune.py --out tune_decode.json
+    python benchmarks/decode_tune.py --out tune_decode.json [--cases "float8_e4m3fn d128"] [--splits 0,4,8]
 """
 
 from __future__ import annotations
@@ -44,9 +44,14 @@ def _copy_bandwidth(t: torch.Tensor) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
+    parser.add_argument("--cases", nargs="*", default=[case[0] for case in CASES], help="names as in CASES")
+    parser.add_argument("--splits", default="0", help="split counts to try, comma-separated (0: the heuristic's)")
     args = parser.parse_args(argv)
+    split_counts = [int(s) for s in args.splits.split(",")]
     records = []
     for name, batch, keys, nheads, nheads_k, head_dim, head_dim_v, dtype in CASES:
+        if name not in args.cases:
+            continue
         q = torch.randn(batch, 1, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
         k_cache = torch.randn(batch, keys, nheads_k, head_dim, device="cuda").to(dtype)
         # absorbed MLA: V is the first 512 channels of the latent (one tensor, as engines store it);
@@ -58,25 +63,27 @@ def main(argv=None):
         options = AttentionOptions(head_dim ** -0.5)
         cache_bytes = k_cache.numel() * k_cache.element_size() * (1 if head_dim_v < head_dim else 2)
         copy = _copy_bandwidth(k_cache)
-        default = configs.decode_config(max(head_dim, head_dim_v), q.dtype, nheads // nheads_k, dtype)
+        default = configs.decode_config(max(head_dim, head_dim_v), q.dtype, nheads // nheads_k)
         print(f"{name}: cache {cache_bytes / 1e9:.2f} GB per step, copy {copy / 1e12:.2f} TB/s, default {default}")
-        for block_n, warps, stages in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES):
+        for block_n, warps, stages, splits in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES, split_counts):
             config = dict(default, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
             def step():
                 kvcache_attention_forward(q, k_cache, v_cache, seqlens, None, None, options, config=config,
-                                          k_descale=scales, v_descale=scales)
+                                          k_descale=scales, v_descale=scales, num_splits=splits)
             try:
                 ms = do_bench(step, warmup=5, rep=30)
             except OutOfResources:
                 continue
             fraction = cache_bytes / ms * 1e3 / copy
-            is_default = all(config[key] == default[key] for key in config)
-            records.append(dict(case=name, config=config, us=ms * 1e3, fraction_of_copy=fraction, default=is_default))
-            print(f"  BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1e3:8.1f} µs  "
+            is_default = splits == 0 and all(config[key] == default[key] for key in config)
+            records.append(dict(case=name, config=config, splits=splits, us=ms * 1e3, fraction_of_copy=fraction,
+                                default=is_default))
+            print(f"  BLOCK_N {block_n:3d} warps {warps} stages {stages} splits {splits or 'heuristic'}: {ms * 1e3:8.1f} µs  "
                   f"{fraction:.2f} of copy{'  (default)' if is_default else ''}")
         best = max((r for r in records if r["case"] == name), key=lambda r: r["fraction_of_copy"])
-        print(f"  best: {best['config']} {best['us']:.1f} µs, {best['fraction_of_copy']:.2f} of copy")
+        print(f"  best: {best['config']} splits {best['splits'] or 'heuristic'}: {best['us']:.1f} µs, "
+              f"{best['fraction_of_copy']:.2f} of copy")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment=environment("cuda"), records=records), f, indent=1)

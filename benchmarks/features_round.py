@@ -16,11 +16,15 @@ Each case prints one line and goes into ``--out`` (JSON with date, device and ve
   by events after a warm-up, and the peak memory of the forward + backward;
 * fp8-decode: flash_attn_with_kvcache, batch 16, 8192 cached keys, 32:8 heads, d128, bf16 cache
   against a float8_e4m3fn one (bytes per step halve);
-* paged-prefill: flash_attn_varlen_func over a paged cache (page 64) against the contiguous varlen
-  call, 8 sequences of 1024 new queries over 4096 keys;
+* paged-prefill: flash_attn_varlen_func over a paged cache (pages of 16, 64, 256; by the forward kernel, which
+  the call takes, and by the KV-cache kernel) against the contiguous varlen call, 8 sequences of 1024 new
+  queries over 4096 keys;
 * mixed-batch: a vLLM-style step, 64 sequences with 4k–12k cached keys (page 16), 58 decoding one
   token and 6 prefilling chunks of 512, as one paged flash_attn_varlen_func call, against SDPA on the
-  padded equivalent (every sequence padded to the longest chunk and cache, a boolean mask);
+  padded equivalent (every sequence padded to the longest chunk and cache, a boolean mask); the batch
+  averages 49 queries a sequence, so it takes the forward kernel: also timed by the KV-cache kernel;
+* paged-route: 32 sequences of 4096 paged keys (page 64) with 1 to 64 new queries each, by either kernel
+  (``configs.PAGED_PREFILL_MIN_QUERIES``'s measure);
 
     PYTHONPATH=src python benchmarks/features_round.py --out $OUT/features.json
 """
@@ -38,8 +42,25 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flashtile
+from flashtile.triton import configs, plans
 
 BF16 = torch.bfloat16
+
+
+class paged_route:
+    """Within: packed queries against a paged cache take the forward kernel when they average at least
+    ``min_queries`` per sequence (``configs.PAGED_PREFILL_MIN_QUERIES``), else the KV-cache kernel."""
+
+    def __init__(self, min_queries):
+        self.min_queries = min_queries
+
+    def __enter__(self):
+        self.saved, configs.PAGED_PREFILL_MIN_QUERIES = configs.PAGED_PREFILL_MIN_QUERIES, self.min_queries
+        plans.clear()  # plans hold the routing decision
+
+    def __exit__(self, *exc):
+        configs.PAGED_PREFILL_MIN_QUERIES = self.saved
+        plans.clear()
 
 
 def rand(*shape, dtype=BF16, grad=False):
@@ -192,20 +213,24 @@ def fp8_decode_cases(results):
 
 
 def paged_prefill_cases(results):
-    batch, new, keys, page = 8, 1024, 4096, 64
+    batch, new, keys = 8, 1024, 4096
     q = rand(batch * new, 32, 128)
     k, v = rand(batch * keys, 8, 128), rand(batch * keys, 8, 128)
     cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
     cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * keys
-    pages = keys // page
-    k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
-    table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
     flops = 4 * batch * 32 * new * keys * 128 * 0.5  # causal: roughly half of the rectangle's work
     with torch.no_grad():
         timed("paged-prefill: contiguous varlen", lambda: flashtile.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, new, keys, causal=True), results, flops)
-        timed("paged-prefill: paged (page 64)", lambda: flashtile.flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
+        for page in (16, 64, 256):
+            pages = keys // page
+            k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
+            table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+            timed(f"paged-prefill: paged (page {page})", lambda: flashtile.flash_attn_varlen_func(
+                q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
+            with paged_route(2**31):
+                timed(f"paged-prefill: paged (page {page}), KV-cache kernel", lambda: flashtile.flash_attn_varlen_func(
+                    q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
 
 
 def mixed_batch_cases(results):
@@ -246,6 +271,10 @@ def mixed_batch_cases(results):
         timed("mixed-batch: flashtile paged varlen", lambda: flashtile.flash_attn_varlen_func(
             q, k_cache, v_cache, cu_q, None, max_new, max_used, causal=True, block_table=table,
             seqused_k=seqused), results)
+        with paged_route(2**31):
+            timed("mixed-batch: flashtile paged varlen, KV-cache kernel", lambda: flashtile.flash_attn_varlen_func(
+                q, k_cache, v_cache, cu_q, None, max_new, max_used, causal=True, block_table=table,
+                seqused_k=seqused), results)
         timed("mixed-batch: sdpa padded", lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask),
               results)
     ours = flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max_new, max_used, causal=True,
@@ -257,8 +286,23 @@ def mixed_batch_cases(results):
     print(f"{'mixed-batch: max |flashtile - sdpa|':48s} {error:.2e}")
 
 
+def paged_route_cases(results):
+    batch, keys, page = 32, 4096, 64
+    k_cache, v_cache = rand(batch * keys // page, page, 8, 128), rand(batch * keys // page, page, 8, 128)
+    table = torch.randperm(batch * keys // page, device="cuda").to(torch.int32).view(batch, keys // page)
+    seqused = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    for new in (1, 4, 8, 16, 32, 64):
+        q = rand(batch * new, 32, 128)
+        cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
+        for route, min_queries in (("forward kernel", 1), ("KV-cache kernel", 2**31)):
+            with paged_route(min_queries), torch.no_grad():
+                timed(f"paged-route: {new:2d} queries a sequence, {route}", lambda: flashtile.flash_attn_varlen_func(
+                    q, k_cache, v_cache, cu_q, None, new, keys, causal=True, block_table=table, seqused_k=seqused),
+                    results)
+
+
 CASES = {"sink": sink_cases, "mla": mla_cases, "mla-decode": mla_decode_cases, "fp8-decode": fp8_decode_cases,
-         "paged-prefill": paged_prefill_cases, "mixed-batch": mixed_batch_cases, "wide": wide_cases,
+         "paged-prefill": paged_prefill_cases, "mixed-batch": mixed_batch_cases, "paged-route": paged_route_cases, "wide": wide_cases,
          "scale": scale_cases}
 
 

@@ -18,6 +18,7 @@ from helpers import DEVICE, DTYPES, assert_accurate
 
 from flashtile.decode import flash_attn_with_kvcache
 from flashtile.reference import kvcache_attention_reference
+from flashtile.triton import configs
 from flashtile.triton.launch import num_splits_heuristic
 
 REFERENCE_OPTIONS = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "learnable_sink")
@@ -196,6 +197,10 @@ def test_num_splits_heuristic_fills_the_gpu():
     assert 0.85 * 264 <= 8 * splits <= 264
     assert num_splits_heuristic(8, 132, 3) <= 3  # never more splits than key blocks
     assert num_splits_heuristic(8, 1, 100) == 1
+    # a float8 cache aims for four programs per SM: batch 16 × 8 KV heads splits 4 ways, not 2
+    assert num_splits_heuristic(16 * 8, 132, 128) == 2
+    float8 = configs.decode_programs_per_sm(torch.float8_e4m3fn)
+    assert num_splits_heuristic(16 * 8, 132, 128, programs_per_sm=float8) == 4
 
 
 @pytest.mark.parametrize(

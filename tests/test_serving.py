@@ -113,21 +113,21 @@ def test_paged_varlen_prefill(paged_route, variant, page_size):
 
 
 def test_paged_prefill_route():
-    # the forward kernel takes a batch of prefills (64 queries a sequence on average, or more), and
+    # the forward kernel takes a batch of prefills (32 queries a sequence on average, or more), and
     # leaves decoding rows and the KV-cache kernel's own features to it
-    table, cu = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 100, 130], dtype=torch.int32)
-    cache, q = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16), torch.empty(130, 4, 64, dtype=torch.bfloat16)
+    table, cu = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 40, 64], dtype=torch.int32)
+    cache, q = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16), torch.empty(64, 4, 64, dtype=torch.bfloat16)
 
     def usable(q=q, cache=cache, table=table, cu=cu, **features):
         arguments = {**dict(cache_batch_idx=None, cache_leftpad=None, k_descale=None, rotary_cos=None), **features}
         return launch.paged_prefill_usable(q, cache, cache, block_table=table, cu_seqlens_q=cu, **arguments)
 
-    assert configs.PAGED_PREFILL_MIN_QUERIES == 64 and usable()
-    assert not usable(q=q[:127])  # 63.5 queries a sequence: decoding rows among them
+    assert configs.PAGED_PREFILL_MIN_QUERIES == 32 and usable()
+    assert not usable(q=q[:63])  # 31.5 queries a sequence: decoding rows among them
     assert not usable(table=None) and not usable(cu=None)
     assert not usable(k_descale=torch.ones(2, 2)) and not usable(cache_leftpad=torch.zeros(2, dtype=torch.int32))
     assert not usable(rotary_cos=torch.ones(4, 8)) and not usable(config=dict(BLOCK_N=32))
-    assert not usable(q=torch.empty(130, 4, 288, dtype=torch.bfloat16),
+    assert not usable(q=torch.empty(64, 4, 288, dtype=torch.bfloat16),
                       cache=torch.empty(8, 16, 2, 288, dtype=torch.bfloat16))  # beyond the forward kernel's 256
 
 
@@ -148,6 +148,33 @@ def test_page_ids_outside_the_cache_hide_their_keys_on_both_routes(monkeypatch):
                                              max_seqlen_q=max(SEQLENS_Q)))
     for by_kvcache, by_forward in zip(*results):
         torch.testing.assert_close(by_forward, by_kvcache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256], ids=lambda p: f"page{p}")
+def test_paged_prefill_over_many_key_blocks(paged_route, page_size):
+    # sequences of several 64-key blocks: blocks that start inside a page, whole (unmasked) blocks, a page
+    # id outside the cache among them, and cache memory that no sequence owns (spare pages, slots past a
+    # sequence's keys) holding NaN, which must reach no output
+    g = torch.Generator().manual_seed(page_size)
+    seqlens_q, seqused = [70, 130], [300, 130]
+    k_cache, v_cache, block_table = paged_cache(seqused, page_size, 1, 32, torch.bfloat16, g)
+    block_table[0, 1] = -1  # keys [page_size, 2 · page_size) of sequence 0 are hidden
+    owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, used in enumerate(seqused):
+        for j in range(used):
+            page = int(block_table[b, j // page_size])
+            if page >= 0:
+                owned[page, j % page_size] = True
+    k_cache[~owned.to(DEVICE)], v_cache[~owned.to(DEVICE)] = float("nan"), float("nan")
+    q = torch.randn(sum(seqlens_q), 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+    cu_seqlens_q, seqused_k = cumulative(seqlens_q), torch.tensor(seqused, dtype=torch.int32, device=DEVICE)
+    # the operator itself: the public function refuses such a table where it can read it (here, on a CPU)
+    out, lse = ops.kvcache_attention(q, k_cache, v_cache, seqused_k, None, block_table,
+                                     AttentionOptions(32 ** -0.5, window_right=0), cu_seqlens_q=cu_seqlens_q,
+                                     max_seqlen_q=max(seqlens_q))
+    refs = [per_sequence_reference(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, dt, causal=True)
+            for dt in (torch.float64, torch.bfloat16)]
+    _check(out, lse, refs)
 
 
 def test_paged_varlen_lengths_from_cu_seqlens_k(backend):

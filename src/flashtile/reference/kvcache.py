@@ -74,6 +74,8 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
         if k_descale is not None:  # a float8 cache, dequantised: [Nk, Hk, D] · [Hk, 1]
             k_b = k_b.to(compute_dtype) * k_descale[b].to(compute_dtype)[:, None]
             v_b = v_b.to(compute_dtype) * v_descale[b].to(compute_dtype)[:, None]
+        # a key that does not exist holds nothing, whatever its memory holds (NaN would pass a −inf score)
+        k_b, v_b = (torch.where(exists[:, None, None], t.to(compute_dtype), 0) for t in (k_b, v_b))
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)[b]
         out, lse, _ = attention_forward(
             *(t.to(compute_dtype).unsqueeze(0).transpose(1, 2) for t in (q[b], k_b, v_b)),  # [1, H, N, D]

@@ -18,9 +18,11 @@ TMA_MIN_SEQLEN = 4096
 GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 2048, (64, True): 8192}
 # Packed queries against a paged cache: from this many queries per sequence on average on, the forward
 # kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
-# than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). Not yet
-# measured on a GPU (benchmarks/NOTES.md, tenth session).
-PAGED_PREFILL_MIN_QUERIES = 64
+# than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). H100,
+# 32 sequences of 4096 keys, 32:8, d128 (benchmarks/features_round.py paged-route): the KV-cache kernel
+# 210-246 us at 1-16 queries a sequence against the forward kernel's 361-377; at 32 the forward kernel
+# 381 us against 446, at 64 394 against 860; a vLLM-style mixed batch averaging 49: 2.24 ms against 2.91.
+PAGED_PREFILL_MIN_QUERIES = 32
 
 # Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
 # (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).
@@ -87,24 +89,42 @@ def bwd_configs(padded_head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     return _config(*dkdv), _config(*dq)
 
 
+def decode_programs_per_sm(cache_dtype: torch.dtype) -> int:
+    """How many KV-cache programs per SM the split heuristic aims for: two, or four for a float8 cache,
+    whose blocks carry half the bytes in flight (batch 16, 8192 keys, 32:8 on the H100: 133 µs at the
+    heuristic's two splits, 126 at four, 125.5 at eight; results/h100_2026-12-05b.md)."""
+    return 4 if cache_dtype.itemsize == 1 else 2
+
+
+def page_split(page_size: int, block_n: int) -> int:
+    """How the forward kernel reads a paged key block's page ids (``PAGE_SPLIT``,
+    ``attention._paged_rows``): 1 when every block lies in one page, ``block_n // page_size`` scalar
+    loads when the block spans up to 4 whole pages, else 0, a vector load that Triton's pipeliner
+    makes an asynchronous copy the K/V copies must wait behind (0.34× the contiguous forward on an
+    H100 at every page size; benchmarks/NOTES.md)."""
+    if page_size % block_n == 0:
+        return 1
+    if block_n % page_size == 0 and block_n // page_size <= 4:
+        return block_n // page_size
+    return 0
+
+
 def decode_chunk_d(head_dim: int) -> int:
     """The KV-cache kernel's Q·Kᵀ chunk of the head dim: the whole padded head dim up to 256 (Q stays
     in registers), 64-wide chunks beyond (absorbed MLA's 576 = 9 · 64)."""
     return block_d(head_dim) if head_dim <= 256 else 64
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int, cache_dtype: torch.dtype | None = None) -> dict:
-    """Block shapes of the KV-cache kernel (``head_dim``: the larger of Q/K's and V's; ``dtype``: q's,
-    ``cache_dtype``: the cache's if it differs): the M block holds the packed (query position, head)
-    rows, at least 16 for tl.dot. A float8 cache takes 128-key blocks at head dim ≤ 128, the bytes
-    in flight of bf16's 64 (H100, batch 16, 8192 keys, 32:8: 128-143 µs in 5 of 6 such configurations
-    against 187 at 64 keys; results/h100_host_2026-12-05.md). Beyond 256 (absorbed MLA, a [BLOCK_M, 512]
-    float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
+def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
+    """Block shapes of the KV-cache kernel (``head_dim``: the larger of Q/K's and V's; ``dtype``: q's):
+    the M block holds the packed (query position, head) rows, at least 16 for tl.dot. A float8 cache
+    takes the same blocks and more programs (:func:`decode_programs_per_sm`): with K and V in tensors of
+    their own, 128-key blocks read it at 0.67 of the copy bandwidth, these at 0.70, and these split 4 ways
+    at 0.74 (H100, batch 16, 8192 keys, 32:8; results/h100_2026-12-05b.md). Beyond 256 (absorbed MLA, a
+    [BLOCK_M, 512] float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
     wide = dtype == torch.float32
     block_m = min(64, max(16, next_power_of_2(query_rows)))
     if head_dim <= 128:
-        if cache_dtype is not None and cache_dtype.itemsize == 1:
-            return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4, num_stages=2)
         return dict(BLOCK_M=block_m, BLOCK_N=64 if not wide else 32, num_warps=4, num_stages=3)
     if head_dim <= 256:
         return dict(BLOCK_M=min(block_m, 32), BLOCK_N=32 if not wide else 16, num_warps=4, num_stages=2)

@@ -302,18 +302,20 @@ def _record_forward(plan: plans.LaunchPlan, q, k, v, out, lse, options: Attentio
         **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
         **_token_strides("o", out), **_lse_strides(lse),
         HAS_SINK=tensors.learnable_sink is not None, USE_TMA=use_tma, HEAD_DIM=head_dim, BLOCK_D=padded,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, WIDE=wide, **_pages(None, None, k), **cfg,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v, WIDE=wide, **_pages(None, None, k, cfg["BLOCK_N"]), **cfg,
     )
 
 
-def _pages(block_table, seqused_k, k_cache) -> dict:
-    """The forward kernel's paged-cache arguments (``IS_PAGED``); without a table, stand-ins (``k_cache``,
-    never read)."""
+def _pages(block_table, seqused_k, k_cache, block_n: int) -> dict:
+    """The forward kernel's paged-cache arguments (``IS_PAGED``) for key blocks of ``block_n``; without a
+    table, stand-ins (``k_cache``, never read)."""
     if block_table is None:
         return dict(BlockTable=k_cache, SequsedK=k_cache, stride_tb=0, stride_tn=0, page_size=1, num_pages=1,
-                    IS_PAGED=False)
+                    IS_PAGED=False, PAGE_SPLIT=0)
+    page_size = k_cache.shape[1]
     return dict(BlockTable=block_table, SequsedK=seqused_k, **_strides("t", "bn", block_table.stride()),
-                page_size=k_cache.shape[1], num_pages=k_cache.shape[0], IS_PAGED=True)
+                page_size=page_size, num_pages=k_cache.shape[0], IS_PAGED=True,
+                PAGE_SPLIT=configs.page_split(page_size, block_n))
 
 
 def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors,
@@ -395,15 +397,16 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
 
 
 @functools.lru_cache(maxsize=4096)  # a decoding loop asks the same question every step; the scan costs µs
-def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, max_splits: int = 128) -> int:
+def num_splits_heuristic(num_programs: int, num_sms: int, num_key_blocks: int, max_splits: int = 128,
+                         programs_per_sm: int = 2) -> int:
     """Split count for ``num_programs`` (batch · nheads_k · query blocks) programs, flash-attn 2's rule.
 
-    Memory-bound decoding needs every SM streaming: with fewer programs than about two
-    per SM, the key range is split. Among the split counts that change the number of
-    blocks per split, take the smallest whose wave efficiency (programs / (waves · slots))
+    Memory-bound decoding needs every SM streaming: with fewer programs than about
+    ``programs_per_sm`` per SM, the key range is split. Among the split counts that change the number
+    of blocks per split, take the smallest whose wave efficiency (programs / (waves · slots))
     is within 85% of the best one. Splits never exceed the number of key blocks.
     """
-    slots = 2 * num_sms  # two resident programs per SM
+    slots = programs_per_sm * num_sms
     if num_programs >= 0.8 * slots:
         return 1
     max_splits = max(1, min(max_splits, slots, num_key_blocks))
@@ -428,16 +431,17 @@ def _num_sms(device: torch.device) -> int:
 def split_plan(batch, seqlen_q, group_size, nheads_k, head_dim, dtype, max_seqlen_k, device, num_splits=0,
                config=None, cache_dtype=None):
     """→ (block config, query-row blocks, split count) of a call; num_splits 0 = heuristic;
-    ``head_dim``: the larger of Q/K's and V's; ``cache_dtype``: the cache's (a float8 cache has blocks of its own).
+    ``head_dim``: the larger of Q/K's and V's; ``cache_dtype``: the cache's (a float8 cache asks for more programs).
 
     The heuristic sees the cache's capacity (max_seqlen_k), not the valid lengths, which
     live on the device: reading them would cost a host sync per decoding step.
     """
-    cfg = dict(configs.decode_config(head_dim, dtype, seqlen_q * group_size, cache_dtype), **(config or {}))
+    cfg = dict(configs.decode_config(head_dim, dtype, seqlen_q * group_size), **(config or {}))
     num_m_blocks = cdiv(seqlen_q * group_size, cfg["BLOCK_M"])
     num_key_blocks = max(1, cdiv(max_seqlen_k, cfg["BLOCK_N"]))
     if num_splits == 0:
-        num_splits = num_splits_heuristic(batch * nheads_k * num_m_blocks, _num_sms(device), num_key_blocks)
+        num_splits = num_splits_heuristic(batch * nheads_k * num_m_blocks, _num_sms(device), num_key_blocks,
+                                          programs_per_sm=configs.decode_programs_per_sm(cache_dtype or dtype))
     return cfg, num_m_blocks, min(num_splits, num_key_blocks)
 
 
@@ -569,7 +573,7 @@ def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, sequse
             HAS_SINK=learnable_sink is not None, USE_TMA=False, HEAD_DIM=head_dim, BLOCK_D=padded,
             HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
             WIDE=wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out),
-            **_pages(block_table, seqused_k, k_cache), **cfg,
+            **_pages(block_table, seqused_k, k_cache, cfg["BLOCK_N"]), **cfg,
         )
 
     with launch_device(q):
