@@ -426,6 +426,25 @@ def test_fp8_kv_cache(backend, fmt, paged, num_splits):
     assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
 
 
+def test_fp8_kv_cache_with_queries_beyond_float16(backend):
+    # bfloat16 q against a float8 cache: the kernel's dots run in float16 after dividing q by a power of
+    # two, so rows of magnitude ~2^20 (beyond float16's 65504) must come out as exact as small ones
+    g = torch.Generator().manual_seed(10)
+    k_cache, v_cache = ((2 * torch.randn(2, 40, 1, 64, generator=g)).to(DEVICE, torch.float8_e4m3fn) for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, generator=g)
+    q[0] *= 2.0 ** 20
+    q = q.to(DEVICE, torch.bfloat16)
+    descale = torch.full((2, 1), 0.75, device=DEVICE)
+    seqlens = torch.tensor([40, 23], dtype=torch.int32, device=DEVICE)
+    options = dict(softmax_scale=2.0 ** -20 / 8, softcap=0.0)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_descale=descale,
+                                            v_descale=descale, **options)
+    refs = [kvcache_attention_reference(q, k_cache, v_cache, seqlens, None, None, compute_dtype=dtype,
+                                        k_descale=descale, v_descale=descale, **options)
+            for dtype in (torch.float64, torch.bfloat16)]
+    assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
+
+
 def test_fp8_paged_varlen_prefill(backend):
     # vLLM's call with a float8 cache: scales per (sequence, KV head)
     g = torch.Generator().manual_seed(9)

@@ -100,8 +100,9 @@ def kvcache_attn_fwd_kernel(
     indices, which is the same rule as counting from the first key (the end is what aligns them).
     ``HAS_DESCALE``: the cache is float8; K and V of (sequence b, KV head h) are the stored values times
     ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
-    widened to Q's dtype for the dots, the K scale folded into the score scale and the V scale into
-    the output. ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
+    widened for the dots to float16 (bfloat16 q divided by a power of two that fits it, exactly; q's
+    own dtype for absorbed MLA's head dims beyond one chunk), the K scale folded into the score scale
+    and the V scale into the output. ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
     ``RotaryStart[b]`` + the query's index in its sequence (``RotaryStart[b]`` alone with
     ``ROTARY_AT_START``), in one chunk (the launcher keeps ROTARY_DIM ≤ BLOCK_D)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
@@ -187,6 +188,15 @@ def kvcache_attn_fwd_kernel(
         k_descale = tl.load(KDescale + i_b * stride_sb + i_hk * stride_sh)
         qk_scale = qk_scale * k_descale
         softcap_scale = softcap_scale * k_descale
+        if HEAD_DIM <= BLOCK_D and b_q.dtype == tl.bfloat16:
+            # the dots in float16: float8 widens to it in one instruction a pair, to bfloat16 in three
+            # (the widening, not the bytes, bounded the float8 cache at 0.75 of copy bandwidth on the H100).
+            # bfloat16 q is exact in float16 once divided by a power of two that brings it under 2^15
+            q_max = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
+            q_pow = tl.math.exp2(tl.maximum(tl.ceil(tl.math.log2(q_max)) - 15.0, 0.0))
+            b_q = (b_q.to(tl.float32) / q_pow).to(tl.float16)
+            qk_scale = qk_scale * q_pow
+            softcap_scale = softcap_scale * q_pow
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         cols = start_n + o_n
@@ -208,7 +218,7 @@ def kvcache_attn_fwd_kernel(
                       mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         b_v = tl.load(v_base + v_rows[:, None] + o_dv[None, :] * stride_vd,
                       mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        if HAS_DESCALE:  # float8 → Q's dtype: exact, the scales applied outside the dots
+        if HAS_DESCALE:  # float8 → the dots' dtype (q's, or float16): exact, the scales applied outside them
             b_k = b_k.to(b_q.dtype)
             b_v = b_v.to(b_q.dtype)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
