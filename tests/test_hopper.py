@@ -27,13 +27,13 @@ def gluon_calls(monkeypatch):
     performance policy, far beyond these shapes), and count the calls."""
     monkeypatch.setattr(configs, "GLUON_MIN_SEQLEN", {key: 1 for key in configs.GLUON_MIN_SEQLEN})
     calls = []
-    forward = sm90_fwd.flash_attn_forward_sm90
+    forward = sm90_fwd.record_forward
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return forward(*args, **kwargs)
+    def counted(plan, q, *args, **kwargs):  # recordings: the tests' fixtures start each test without plans
+        calls.append(q.shape)
+        return forward(plan, q, *args, **kwargs)
 
-    monkeypatch.setattr(sm90_fwd, "flash_attn_forward_sm90", counted)
+    monkeypatch.setattr(sm90_fwd, "record_forward", counted)
     return calls
 
 
@@ -41,13 +41,13 @@ def gluon_calls(monkeypatch):
 def gluon_backward_calls(monkeypatch):
     """Count the calls of the fused Gluon backward (it has no seqlen threshold)."""
     calls = []
-    backward = sm90_bwd.flash_attn_backward_sm90
+    backward = sm90_bwd.record_backward
 
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return backward(*args, **kwargs)
+    def counted(plan, dout, q, *args, **kwargs):  # recordings, as above
+        calls.append(q.shape)
+        return backward(plan, dout, q, *args, **kwargs)
 
-    monkeypatch.setattr(sm90_bwd, "flash_attn_backward_sm90", counted)
+    monkeypatch.setattr(sm90_bwd, "record_backward", counted)
     return calls
 
 

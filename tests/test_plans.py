@@ -169,14 +169,14 @@ def test_a_launch_outside_the_bound_tensors_is_not_kept():
     x, y, elsewhere = (torch.arange(8.0, device=DEVICE) * i for i in (1, 0, 2))
     complete = plans.LaunchPlan()
     complete.bind((x, y))
-    complete.launch(_copy_kernel, (1,), [x, y, 8, 8], {})
+    complete.record(_copy_kernel, (1,), [x, y, 8, 8], {})
     plans.store(("copy",), complete)
     assert plans.lookup(("copy",)) is complete
     x2, y2 = torch.arange(8.0, device=DEVICE) + 5, torch.zeros(8, device=DEVICE)
     assert complete.replay((x2, y2)) and torch.equal(y2, x2)
     incomplete = plans.LaunchPlan()
     incomplete.bind((x, y))
-    incomplete.launch(_copy_kernel, (1,), [elsewhere, y, 8, 8], {})
+    incomplete.record(_copy_kernel, (1,), [elsewhere, y, 8, 8], {})
     assert torch.equal(y, elsewhere)  # launched all the same
     plans.store(("copy", "elsewhere"), incomplete)
     assert not incomplete.complete and plans.lookup(("copy", "elsewhere")) is None

@@ -73,13 +73,28 @@ def rounding(t):
     return ((t + 0.3 - 0.3) - t).abs().max().item()
 
 
+def shipped_forward(q, k, v, scale, causal):
+    """(out, lse) through the shipped launcher."""
+    from flashtile._options import AttentionOptions, AttentionTensors
+    from flashtile.triton import launch
+    options = AttentionOptions(scale, window_right=0 if causal else -1)
+    return launch.attention_forward(q, k, v, options, AttentionTensors())
+
+
+def shipped_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal):
+    """dq, dk, dv written through the shipped launcher, which takes the fused Gluon backward here."""
+    from flashtile._options import AttentionOptions, AttentionTensors
+    from flashtile.triton import launch
+    options = AttentionOptions(scale, window_right=0 if causal else -1)
+    launch.attention_backward(dout, q, k, v, out, lse, options, AttentionTensors(), dq, dk, dv)
+
+
 def run_backward(name, dout, q, k, v, out, lse, scale, causal):
     """dq, dk, dv from the shipped kernel (``current``) or a variant of sm90_bwd_next."""
-    from flashtile.gluon import sm90_bwd
     import sm90_bwd_next
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if name == "current":
-        sm90_bwd.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, scale, causal=causal)
+        shipped_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal)
     else:
         sm90_bwd_next.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, scale, causal=causal, variant=name)
     return dq, dk, dv
@@ -139,7 +154,6 @@ def flops(batch, seqlen, heads, head_dim, causal):
 def timings(results, warmup, rep, head_dims):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from flashtile.gluon import sm90_fwd
     print(f"== backward-only timings (do_bench median ms [p20, p80], warmup {warmup} rep {rep} ms; TFLOP/s; "
           "ratio = cuDNN time / ours)", flush=True)
     rows = []
@@ -151,15 +165,13 @@ def timings(results, warmup, rep, head_dims):
                                            device="cuda").to(torch.bfloat16)
                 q, k, v, do = make(), make(), make(), make()
                 scale = 1 / math.sqrt(head_dim)
-                out, lse = sm90_fwd.flash_attn_forward_sm90(q, k, v, scale * 1.4426950408889634, causal)
+                out, lse = shipped_forward(q, k, v, scale, causal)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 calls = {}
-                from flashtile.gluon import sm90_bwd
                 import sm90_bwd_next
                 for name in providers(head_dim):
                     if name == "current":
-                        calls[name] = lambda: sm90_bwd.flash_attn_backward_sm90(do, q, k, v, out, lse, dq, dk, dv, scale,
-                                                                                causal=causal)
+                        calls[name] = lambda: shipped_backward(do, q, k, v, out, lse, dq, dk, dv, scale, causal)
                     else:
                         calls[name] = (lambda name=name: sm90_bwd_next.flash_attn_backward_sm90(
                             do, q, k, v, out, lse, dq, dk, dv, scale, causal=causal, variant=name))

@@ -415,15 +415,13 @@ def _kernel_arguments(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scal
 
 def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                              variant: str = "pipe") -> torch.Tensor:
-    """``flashtile.gluon.sm90_bwd.flash_attn_backward_sm90``'s contract (the same call from
-    ``flashtile.triton.launch.attention_backward``, for the same inputs), plus the variant's name
-    (a key of ``VARIANTS``). Writes dq/dk/dv; → D = rowsum(dO ∘ O) [B, Hq, Nq] float32."""
+    """What ``flashtile.triton.launch.attention_backward``'s fused sm_90 path computes (for the same
+    inputs), by the variant named (a key of ``VARIANTS``). Writes dq/dk/dv; → D = rowsum(dO ∘ O)
+    [B, Hq, Nq] float32."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    padded_q = -(-seqlen_q // BLOCK_M) * BLOCK_M  # ceil to whole blocks on Python ints
-    lse2 = torch.empty((batch, nheads_q, padded_q), dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, nheads_q, padded_q, head_dim), dtype=torch.float32, device=q.device)
+    lse2, delta, dq_accum = sm90_bwd.backward_buffers(q)
+    padded_q = lse2.shape[-1]
     _bwd_preprocess_kernel[(padded_q // BLOCK_M, nheads_q, batch)](
         o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
         DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),

@@ -59,6 +59,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from ..triton import plans
 from .sm90_fwd import descriptor
 
 # Keys per CTA, split between the two consumer warpgroups, and query rows per step: 64-row steps keep
@@ -417,24 +418,37 @@ def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1]], layout)
 
 
-def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> torch.Tensor:
-    """Writes dq/dk/dv (any strides with a contiguous head dim) for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D],
-    out and dout like q, lse [B, Hq, Nq] float32, for inputs that
-    ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits. → D = rowsum(dO ∘ O)
-    [B, Hq, Nq] float32 (a view of the preprocess's buffer), which the sink's gradient reads."""
+def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's float32 work buffers for q [B, Nq, Hq, D], each over whole row blocks: the
+    log-sum-exp in base 2 and D = rowsum(dO ∘ O), [B, Hq, padded Nq], and the dQ accumulator
+    [B, Hq, padded Nq, D]."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     padded_q = -(-seqlen_q // BLOCK_M) * BLOCK_M  # ceil to whole blocks on Python ints
     lse2 = torch.empty((batch, nheads_q, padded_q), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     dq_accum = torch.empty((batch, nheads_q, padded_q, head_dim), dtype=torch.float32, device=q.device)
-    _bwd_preprocess_kernel[(padded_q // BLOCK_M, nheads_q, batch)](
+    return lse2, delta, dq_accum
+
+
+def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse2, delta, dq_accum,
+                    softmax_scale: float, causal: bool) -> None:
+    """Writes dk/dv (any strides with a contiguous head dim) and the buffers of :func:`backward_buffers`
+    (D in ``delta``, dQ in ``dq_accum``, both [B, Hq, padded Nq, ...]) for q [B, Nq, Hq, D], k/v
+    [B, Nk, Hk, D], out and dout like q, lse [B, Hq, Nq] float32, for inputs that
+    ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits, launching
+    through ``plan`` (``flashtile.triton.plans``: later calls of the key replay the launches)."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    padded_q = lse2.shape[-1]
+    plans.launch(
+        plan, _bwd_preprocess_kernel, (padded_q // BLOCK_M, nheads_q, batch),
         o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
         DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0), stride_ph=lse2.stride(1),
         stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
         ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
     )
-    _attn_bwd_sm90_kernel[(-(-seqlen_k // BLOCK_N), nheads_k, batch)](
+    plans.launch(
+        plan, _attn_bwd_sm90_kernel, (-(-seqlen_k // BLOCK_N), nheads_k, batch),
         q_desc=descriptor(q, BLOCK_M), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         do_desc=descriptor(dout, BLOCK_M), lse_desc=_stats_descriptor(lse2), delta_desc=_stats_descriptor(delta),
         dq_desc=_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum,
@@ -446,5 +460,3 @@ def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale:
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KEYS=KEYS, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,
         DQ_BY_TMA=DQ_BY_TMA[head_dim], num_warps=4,
     )
-    dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
-    return delta[:, :, :seqlen_q]

@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from ..triton import plans
+
 
 # Consumer warpgroups per CTA, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md v0.5: three
 # at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the setmaxnreg
@@ -284,20 +286,18 @@ def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype))
 
 
-def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: float,
-                            causal: bool,
-                            learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] → (out like q, lse [B, Hq, Nq] float32), for inputs that
-    ``flashtile.triton.launch.gluon_usable`` found within this file's limits; ``qk_scale = softmax_scale · log2 e``;
-    ``learnable_sink`` float32 [Hq] or None."""
-    batch, seqlen_q, nheads_q, _ = q.shape
+def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, learnable_sink: torch.Tensor | None, qk_scale: float, causal: bool) -> None:
+    """Writes out (like q) and lse [B, Hq, Nq] float32 of q [B, Nq, Hq, D], k/v [B, Nk, Hk, D], for inputs
+    that ``flashtile.triton.launch.gluon_usable`` found within this file's limits, launching through
+    ``plan`` (``flashtile.triton.plans``: later calls of the key replay the launch on their tensors);
+    ``qk_scale = softmax_scale · log2 e``; ``learnable_sink`` float32 [Hq] or None."""
+    batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    head_dim = q.shape[-1]
     num_consumers = CONSUMERS[head_dim]
     grid = (-(-seqlen_q // (num_consumers * ROWS)), nheads_q, batch)  # ceil division on Python ints
-    _attn_fwd_sm90_kernel[grid](
+    plans.launch(
+        plan, _attn_fwd_sm90_kernel, grid,
         q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         Sinks=lse if learnable_sink is None else learnable_sink, group_size=nheads_q // nheads_k,
@@ -305,4 +305,3 @@ def flash_attn_forward_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
         NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, num_warps=4,
     )
-    return out, lse

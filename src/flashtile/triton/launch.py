@@ -19,7 +19,7 @@ This is where the code paths are chosen:
 Every launcher decides once per call key and replays its launches after (``plans``).
 
 Every kernel argument is given by name (``stride_{tensor}{axis}`` for strides) and put in the
-kernel's parameter order by :func:`_launch`, so that reordering a kernel's parameters cannot
+kernel's parameter order by :func:`plans.launch`, so that reordering a kernel's parameters cannot
 misbind them. Launches run on the tensors' GPU, which need
 not be the current one. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU, with the
 interpreter fix of ``_interpreter`` applied when this module is imported.
@@ -56,22 +56,6 @@ LOG2E = 1.4426950408889634  # 1 / ln 2; the kernels work in base 2 (exp2) and re
 
 # ----------------------------------------------------------------------------------------------
 # Keyword arguments
-
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
-
-
-def _launch(plan: plans.LaunchPlan, kernel, grid, **arguments) -> None:
-    """``kernel[grid]`` with every argument given by name, and the launch options (num_warps,
-    num_stages) among them, recorded in ``plan``. The values are laid out in the kernel's own
-    parameter order here and passed positionally: CPython binds ~70 keyword arguments by scanning
-    the parameter names for each, which measured ~25 µs more per launch than positional binding on a
-    CPU core (~80 µs on the H200's host)."""
-    options = {name: arguments.pop(name) for name in _LAUNCH_OPTIONS if name in arguments}
-    names = kernel.arg_names
-    if len(arguments) != len(names):
-        raise TypeError(f"{kernel.fn.__name__}: unknown arguments {sorted(set(arguments) - set(names))}, "
-                        f"missing {sorted(set(names) - set(arguments))}")
-    plan.launch(kernel, grid, [arguments[name] for name in names], options)
 
 
 @functools.cache
@@ -261,16 +245,19 @@ def _forward_outputs(q, head_dim_v, batch, nheads_q, seqlen_q, tensors: Attentio
 def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
     """q [B, Nq, Hq, D], k [B, Nk, Hk, D], v [B, Nk, Hk, Dv] (any strides), or packed [total, H, D] with
     ``tensors.cu_seqlens_*`` → (out like q with Dv, lse [B, Hq, Nq] or [Hq, total_q], float32).
-    Decided once per call key (``plans``): the code path, then the Triton kernel's launch."""
+    Decided once per call key (``plans``): the code path, then the kernel's launch."""
     call_key = plans.key("fwd", options, q, k, v, *tensors)
     plan = plans.lookup(call_key)
     if plan is None:
         plan = plans.LaunchPlan(gluon=gluon_usable(options, tensors, q, k, v))
     with launch_device(q):
         if plan.gluon:
-            plans.store(call_key, plan)
-            return sm90_fwd.flash_attn_forward_sm90(q, k, v, options.softmax_scale * LOG2E, causal=options.causal,
-                                                    learnable_sink=tensors.learnable_sink)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+            call = (q, k, v, out, lse, tensors.learnable_sink)
+            plans.replay_or_record(call_key, plan, call, lambda plan: sm90_fwd.record_forward(
+                plan, *call, options.softmax_scale * LOG2E, options.causal))
+            return out, lse
         shape = _shape(q, k, options, tensors)
         batch, seqlen_q, _, nheads_q, _, _ = shape
         out, lse = _forward_outputs(q, v.shape[-1], batch, nheads_q, seqlen_q, tensors)
@@ -295,7 +282,7 @@ def _record_forward(plan: plans.LaunchPlan, q, k, v, out, lse, options: Attentio
     if use_tma:
         tiles = dict(Q=_descriptor(q, cfg["BLOCK_M"], padded), K=_descriptor(k, cfg["BLOCK_N"], padded),
                      V=_descriptor(v, cfg["BLOCK_N"], padded_v), Out=_descriptor(out, cfg["BLOCK_M"], padded_v))
-    _launch(
+    plans.launch(
         plan, attn_fwd_kernel, (cdiv(seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
         **tiles, Lse=lse, **_variant_arguments(options, tensors, q, k, shape, bias),
         Sinks=q if tensors.learnable_sink is None else tensors.learnable_sink,
@@ -331,11 +318,14 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     if plan is None:
         plan = plans.LaunchPlan(gluon=gluon_backward_usable(options, tensors, q, k, v, out, dout, dq, dk, dv))
     if plan.gluon:
-        plans.store(call_key, plan)
         with launch_device(q):
-            delta = sm90_bwd.flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, options.softmax_scale,
-                                                      causal=options.causal)
-        return None, delta
+            lse2, delta, dq_accum = sm90_bwd.backward_buffers(q)
+            call = (dout, q, k, v, out, lse, dk, dv, lse2, delta, dq_accum)
+            plans.replay_or_record(call_key, plan, call, lambda plan: sm90_bwd.record_backward(
+                plan, *call, options.softmax_scale, options.causal))
+            seqlen_q = q.shape[1]
+            dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
+        return None, delta[:, :, :seqlen_q]
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     lse = lse.contiguous()  # D takes the log-sum-exp's strides: a strided slice would misplace it
@@ -369,7 +359,7 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
     dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype)
     variant = _variant_arguments(options, tensors, q, k, shape, bias)
     wide = wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, attn_bias=tensors.attn_bias)
-    _launch(
+    plans.launch(
         plan, attn_bwd_preprocess_kernel, (cdiv(seqlen_q, 64), nheads_q, batch),
         Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
         **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
@@ -381,12 +371,12 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
                   **_token_strides("do", dout), **_lse_strides(lse),
                   sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=padded, HEAD_DIM_V=head_dim_v,
                   BLOCK_DV=padded_v, WIDE=wide)
-    _launch(
+    plans.launch(
         plan, attn_bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch),
         DK=dk, DV=dv, DBias=q if dbias is None else dbias, **_token_strides("dk", dk),
         **_token_strides("dv", dv), BIAS_GRAD=dbias is not None, **shared, **dkdv_cfg,
     )
-    _launch(
+    plans.launch(
         plan, attn_bwd_dq_kernel, (cdiv(seqlen_q, dq_cfg["BLOCK_M"]), nheads_q, batch),
         DQ=dq, **_token_strides("dq", dq), **shared, **dq_cfg,
     )
@@ -564,7 +554,7 @@ def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, sequse
         cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0, False, False)
         arguments = _variant_arguments(options, tensors, q, k_cache, shape, None)
         arguments.update(seqlen_k=capacity)  # the table's capacity, which clamps each sequence's key count
-        _launch(
+        plans.launch(
             plan, attn_fwd_kernel, (cdiv(max_seqlen_q, cfg["BLOCK_M"]), nheads_q, batch),
             Q=q, K=k_cache, V=v_cache, Out=out, Lse=lse, **arguments,
             Sinks=q if learnable_sink is None else learnable_sink,
@@ -595,7 +585,7 @@ def _record_kvcache_attention(plan: plans.LaunchPlan, q, k_cache, v_cache, out_p
     softcap = options.softcap
     chunk, padded_v = configs.decode_chunk_d(head_dim), configs.block_d(head_dim_v)
     wide = wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out_part, lse=lse_part)
-    _launch(
+    plans.launch(
         plan, kvcache_attn_fwd_kernel, (plan.num_m_blocks, batch * nheads_k, plan.num_splits),
         Q=q, K=k_cache, V=v_cache, Out=out_part, Lse=lse_part, SeqlensK=seqlens_k,
         CacheBatchIdx=seqlens_k if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
@@ -683,7 +673,7 @@ def _record_kvcache_append(plan: plans.LaunchPlan, k_cache, v_cache, k, v, cache
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_s = min(64, next_power_of_2(seqlen_new))
-    _launch(
+    plans.launch(
         plan, kvcache_append_kernel, (cdiv(seqlen_new, block_s), nheads_k, batch),
         K=k, V=v, KCache=k_cache, VCache=v_cache, CacheSeqlens=cache_seqlens,
         CacheBatchIdx=cache_seqlens if cache_batch_idx is None else cache_batch_idx, BlockTable=table,
@@ -715,7 +705,7 @@ def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
 
     def record(plan: plans.LaunchPlan) -> None:
         block_s = min(16, next_power_of_2(seqlen))
-        _launch(
+        plans.launch(
             plan, merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
             **_strides("o", "pnshd", outs.stride()), **_strides("l", "pnhs", lses.stride()),
             **_strides("m", "nshd", out.stride()), **_strides("L", "nhs", lse.stride()),
