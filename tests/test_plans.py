@@ -159,6 +159,24 @@ def test_tma_descriptors_are_rebuilt_on_replay(monkeypatch, replays):
         assert torch.equal(got, expected)
 
 
+def test_descriptors_of_either_kind_are_rebuilt_whole():
+    # a replay rebuilds Triton's and Gluon's descriptors (the latter carry a shared-memory layout) over
+    # the call's tensor with every other field as recorded
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    recorded, now = torch.zeros(2, 64, 4, 32, dtype=torch.bfloat16), torch.ones(2, 64, 4, 32, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=4)
+    for d in (TensorDescriptor(recorded, list(recorded.shape), list(recorded.stride()), [1, 16, 1, 32]),
+              GluonDescriptor(recorded, list(recorded.shape), list(recorded.stride()), [1, 16, 1, 32], layout)):
+        assert plans._is_descriptor(d) and not plans._is_descriptor(recorded)
+        rebuilt = plans._rebuilt(plans._descriptor_box(d), now)
+        assert type(rebuilt) is type(d) and rebuilt.base is now
+        assert rebuilt == type(d)(now, *[getattr(d, f) for f in ("shape", "strides", "block_shape")],
+                                  *([layout] if type(d) is GluonDescriptor else []), d.padding)
+
+
 @triton.jit
 def _copy_kernel(X, Y, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
