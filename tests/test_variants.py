@@ -19,6 +19,7 @@ from helpers import (DEVICE, assert_accurate, check_flash_attn_func, check_outpu
                      to_reference, with_descriptor_loads)
 
 import flashtile
+from flashtile import _validate
 from flashtile import reference as ref
 from flashtile.ops import attention_forward as ops_attention_forward
 
@@ -321,6 +322,23 @@ def test_bad_variant_arguments_raise(kwargs, error, message):
         kwargs = {**kwargs, "alibi_slopes": kwargs["alibi_slopes"].to(DEVICE)}
     with pytest.raises(error, match=message):
         flashtile.flash_attn_func(*_small(), **kwargs)
+
+
+def test_options_validated_once_are_not_lent_to_look_alikes():
+    # plain options are validated once per distinct set; values that compare equal to valid ones
+    # (True == 1) must still be refused after those were seen, and the global deterministic switch read
+    q, k, v = _small()
+    flashtile.flash_attn_func(q, k, v, window_size=(1, 0), softcap=1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        flashtile.flash_attn_func(q, k, v, window_size=(True, 0), softcap=1.0)
+    with pytest.raises(TypeError, match="softcap must be a number, got bool"):
+        flashtile.flash_attn_func(q, k, v, window_size=(1, 0), softcap=True)
+    assert not _validate.attention_options(32, None, False, (1, 0), 1.0).deterministic
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _validate.attention_options(32, None, False, (1, 0), 1.0).deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize(
