@@ -305,10 +305,12 @@ def _plain(arguments) -> bool:
     that hash as they compare, so a cache keyed on them cannot hand one call's validation to another
     (a ``(True, 0)`` window would hash as ``(1, 0)`` and escape its error)."""
     head_dim, softmax_scale, causal, window_size, softcap, dropout_p, max_seqlen_q, max_seqlen_k, _ = arguments
+    # spelled out, not all(...) over generators: this runs on every call
     return (type(window_size) is tuple and len(window_size) == 2
-            and type(window_size[0]) is int and type(window_size[1]) is int
-            and type(causal) is bool and all(type(n) is int for n in (head_dim, max_seqlen_q, max_seqlen_k))
-            and all(type(x) in _PLAIN_NUMBERS for x in (softmax_scale, softcap, dropout_p)))
+            and type(window_size[0]) is int and type(window_size[1]) is int and type(causal) is bool
+            and type(head_dim) is int and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and type(softmax_scale) in _PLAIN_NUMBERS and type(softcap) in _PLAIN_NUMBERS
+            and type(dropout_p) in _PLAIN_NUMBERS)
 
 
 _PLAIN_NUMBERS = (float, int, type(None))
