@@ -18,9 +18,14 @@
 #                                             then the host time per call (--layers) of DIR's tree and of this one,
 #                                             interleaved, twice, and the short-sequence kernels (seqlen 512/1024,
 #                                             flashtile and cuDNN) of both
+#   bash benchmarks/device_round.sh verify DIR  what the eleventh session built without a GPU: the Gluon launches
+#                                             through plans (test_hopper, test_plans first), the float8 decode in
+#                                             float16 (its tests, then features_round's fp8-decode twice), then
+#                                             the host time per call of DIR's tree and of this one
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
-if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR" >&2
+if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
+   && [ "$1" != verify ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -40,6 +45,22 @@ if [ "$1" = tests ]; then
 fi
 if [ "$1" = features ]; then
   timeout ${FEATURES_LIMIT:-470} python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
+  exit
+fi
+if [ "$1" = verify ]; then
+  timeout 200 python3 -m pytest -q -n 15 tests/test_hopper.py tests/test_plans.py tests/test_serving.py \
+    tests/test_decode.py tests/test_cuda_graphs.py tests/test_compile.py > $OUT/pytest.log 2>&1
+  grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -15
+  for i in 1 2; do
+    timeout 60 python3 benchmarks/features_round.py --cases fp8-decode paged-prefill --out $OUT/features$i.json \
+      > $OUT/features$i.log 2>&1
+    grep -E "of copy|paged-prefill" $OUT/features$i.log
+  done
+  for tree in "$2" .; do
+    name=$([ "$tree" = . ] && echo after || echo before)
+    (cd "$tree" && PYTHONPATH=src timeout 60 python3 benchmarks/host_overhead.py --layers) > $OUT/host_$name.log 2>&1
+  done
+  grep -hE "per call|µs" $OUT/host_*.log | head -40
   exit
 fi
 if [ "$1" = host ]; then
