@@ -443,8 +443,8 @@ def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse
     plans.launch(
         plan, _bwd_preprocess_kernel, (padded_q // BLOCK_M, nheads_q, batch),
         o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
-        DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0), stride_ph=lse2.stride(1),
-        stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
+        DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),
+        stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
         ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
     )
     plans.launch(
