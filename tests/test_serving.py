@@ -426,23 +426,37 @@ def test_fp8_kv_cache(backend, fmt, paged, num_splits):
     assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
 
 
-def test_fp8_kv_cache_with_queries_beyond_float16(backend):
-    # bfloat16 q against a float8 cache: the kernel's dots run in float16 after dividing q by a power of
-    # two, so rows of magnitude ~2^20 (beyond float16's 65504) must come out as exact as small ones
+Q_MAGNITUDES = {  # (the scale of q's heads, softmax_scale): far outside float16's range either way, heads
+    "large": ([2.0 ** 20] * 4, 2.0 ** -20 / 8),  # of very different sizes in one block, an inf in one head
+    "small": ([2.0 ** -26] * 4, 2.0 ** 24 / 8),
+    "mixed-heads": ([2.0 ** 20] + [2.0 ** -14] * 3, 2.0 ** 12),
+    "inf-in-one-head": ([math.inf] + [1.0] * 3, 0.125),
+}
+
+
+@pytest.mark.parametrize("case", Q_MAGNITUDES)
+def test_fp8_kv_cache_q_magnitudes(backend, case):
+    # bfloat16 q against a float8 cache: the kernel's dots run in float16, each row of q divided by a power
+    # of two that fits it; the judged heads (the small ones; those without the inf) must be as exact as usual
     g = torch.Generator().manual_seed(10)
+    scales, softmax_scale = Q_MAGNITUDES[case]
     k_cache, v_cache = ((2 * torch.randn(2, 40, 1, 64, generator=g)).to(DEVICE, torch.float8_e4m3fn) for _ in range(2))
     q = torch.randn(2, 1, 4, 64, generator=g)
-    q[0] *= 2.0 ** 20
+    for head, scale in enumerate(scales):
+        if math.isinf(scale):
+            q[:, :, head, 0] = math.inf
+        else:
+            q[:, :, head] *= scale
     q = q.to(DEVICE, torch.bfloat16)
     descale = torch.full((2, 1), 0.75, device=DEVICE)
     seqlens = torch.tensor([40, 23], dtype=torch.int32, device=DEVICE)
-    options = dict(softmax_scale=2.0 ** -20 / 8, softcap=0.0)
     out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_descale=descale,
-                                            v_descale=descale, **options)
+                                            v_descale=descale, softmax_scale=softmax_scale)
     refs = [kvcache_attention_reference(q, k_cache, v_cache, seqlens, None, None, compute_dtype=dtype,
-                                        k_descale=descale, v_descale=descale, **options)
+                                        k_descale=descale, v_descale=descale, softmax_scale=softmax_scale)[0]
             for dtype in (torch.float64, torch.bfloat16)]
-    assert_accurate("out", out, refs[0][0], refs[1][0], factor=2)
+    heads = slice(1, None) if case in ("mixed-heads", "inf-in-one-head") else slice(None)
+    assert_accurate("out", out[:, :, heads], refs[0][:, :, heads], refs[1][:, :, heads], factor=2)
 
 
 def test_fp8_paged_varlen_prefill(backend):

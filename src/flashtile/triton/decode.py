@@ -100,7 +100,7 @@ def kvcache_attn_fwd_kernel(
     indices, which is the same rule as counting from the first key (the end is what aligns them).
     ``HAS_DESCALE``: the cache is float8; K and V of (sequence b, KV head h) are the stored values times
     ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
-    widened for the dots to float16 (bfloat16 q divided by a power of two that fits it, exactly; q's
+    widened for the dots to float16 (each row of bfloat16 q divided by a power of two that fits it; q's
     own dtype for absorbed MLA's head dims beyond one chunk), the K scale folded into the score scale
     and the V scale into the output. ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
     ``RotaryStart[b]`` + the query's index in its sequence (``RotaryStart[b]`` alone with
@@ -190,12 +190,16 @@ def kvcache_attn_fwd_kernel(
         softcap_scale = softcap_scale * k_descale
         if HEAD_DIM <= BLOCK_D and b_q.dtype == tl.bfloat16:
             # the dots in float16: float8 widens to it in one instruction a pair, to bfloat16 in three
-            # (the widening, not the bytes, bounded the float8 cache at 0.75 of copy bandwidth on the H100).
-            # bfloat16 q is exact in float16 once divided by a power of two that brings it under 2^15
-            q_max = tl.max(tl.max(tl.abs(b_q.to(tl.float32)), 1), 0)
-            q_pow = tl.math.exp2(tl.maximum(tl.ceil(tl.math.log2(q_max)) - 15.0, 0.0))
+            # (the PTX's conversions per block: 64 against 192). Each row of q is divided by the power of two
+            # that brings its largest value to [2^14, 2^15): exact in float16 wherever the row's values span
+            # fewer than ~2^24 (bfloat16's 8 bits stay clear of float16's subnormals). Per row, so that one
+            # head's magnitude or a non-finite value cannot reach the others; rows of zeros or holding inf
+            # or NaN keep their values (and their result)
+            q_max = tl.max(tl.abs(b_q.to(tl.float32)), 1)  # [BLOCK_M]
+            exponent = tl.clamp(tl.ceil(tl.math.log2(q_max)) - 15.0, -100.0, 100.0)
+            q_pow = tl.math.exp2(tl.where((q_max > 0) & (q_max < float("inf")), exponent, 0.0))[:, None]
             b_q = (b_q.to(tl.float32) / q_pow).to(tl.float16)
-            qk_scale = qk_scale * q_pow
+            qk_scale = qk_scale * q_pow  # [BLOCK_M, 1]
             softcap_scale = softcap_scale * q_pow
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
