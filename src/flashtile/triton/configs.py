@@ -92,7 +92,7 @@ def bwd_configs(padded_head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
 def decode_programs_per_sm(cache_dtype: torch.dtype) -> int:
     """How many KV-cache programs per SM the split heuristic aims for: two, or four for a float8 cache,
     whose blocks carry half the bytes in flight (batch 16, 8192 keys, 32:8 on the H100: 133 µs at the
-    heuristic's two splits, 126 at four, 125.5 at eight; results/h100_2026-12-05b.md)."""
+    heuristic's two splits, 126 at four, 125.5 at eight; results/serving_2026-12-05/r2_h100_tune_fp8.log)."""
     return 4 if cache_dtype.itemsize == 1 else 2
 
 
@@ -120,8 +120,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, query_rows: int) -> dict:
     the M block holds the packed (query position, head) rows, at least 16 for tl.dot. A float8 cache
     takes the same blocks and more programs (:func:`decode_programs_per_sm`): with K and V in tensors of
     their own, 128-key blocks read it at 0.67 of the copy bandwidth, these at 0.70, and these split 4 ways
-    at 0.74 (H100, batch 16, 8192 keys, 32:8; results/h100_2026-12-05b.md). Beyond 256 (absorbed MLA, a
-    [BLOCK_M, 512] float32 accumulator) the blocks shrink; those shapes are not tuned on a GPU."""
+    at 0.74 (H100, batch 16, 8192 keys, 32:8; results/serving_2026-12-05/r2_h100_tune_fp8.log). Beyond
+    256 (absorbed MLA, a [BLOCK_M, 512] float32 accumulator) the blocks shrink; those shapes are not
+    tuned on a GPU."""
     wide = dtype == torch.float32
     block_m = min(64, max(16, next_power_of_2(query_rows)))
     if head_dim <= 128:

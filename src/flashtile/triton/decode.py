@@ -195,10 +195,11 @@ def kvcache_attn_fwd_kernel(
             # fewer than ~2^24 (bfloat16's 8 bits stay clear of float16's subnormals). Per row, so that one
             # head's magnitude or a non-finite value cannot reach the others; rows of zeros or holding inf
             # or NaN keep their values (and their result)
-            q_max = tl.max(tl.abs(b_q.to(tl.float32)), 1)  # [BLOCK_M]
+            b_q32 = b_q.to(tl.float32)
+            q_max = tl.max(tl.abs(b_q32), 1)  # [BLOCK_M]
             exponent = tl.clamp(tl.ceil(tl.math.log2(q_max)) - 15.0, -100.0, 100.0)
             q_pow = tl.math.exp2(tl.where((q_max > 0) & (q_max < float("inf")), exponent, 0.0))[:, None]
-            b_q = (b_q.to(tl.float32) / q_pow).to(tl.float16)
+            b_q = (b_q32 / q_pow).to(tl.float16)
             qk_scale = qk_scale * q_pow  # [BLOCK_M, 1]
             softcap_scale = softcap_scale * q_pow
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)

@@ -252,8 +252,7 @@ def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTens
         plan = plans.LaunchPlan(gluon=gluon_usable(options, tensors, q, k, v))
     with launch_device(q):
         if plan.gluon:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+            out, lse = _forward_outputs(q, v.shape[-1], q.shape[0], q.shape[2], q.shape[1], tensors)
             call = (q, k, v, out, lse, tensors.learnable_sink)
             plans.replay_or_record(call_key, plan, call, lambda plan: sm90_fwd.record_forward(
                 plan, *call, options.softmax_scale * LOG2E, options.causal))

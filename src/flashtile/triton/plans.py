@@ -8,10 +8,10 @@ configuration, grid and strides, costs ~35 µs more. Everything they decide depe
 specialises pointer arguments on 16-byte alignment, and the copy engine requires it), and the
 call's scalar options. So a launcher decides once per key:
 
-* on the first call of a key it launches through a :class:`LaunchPlan` (:func:`launch`), which records each launch's
-  compiled kernel, grid and arguments in the kernel's parameter order, with the call's tensors (and
-  tensor descriptors over them) replaced by their positions in the tuple of the call's tensors
-  that the launcher bound to the plan;
+* on the first call of a key it launches through a :class:`LaunchPlan` (:func:`launch`), which
+  records each launch's compiled kernel, grid and arguments in the kernel's parameter order, with
+  the call's tensors (and tensor descriptors over them) replaced by their positions in the tuple of
+  the call's tensors that the launcher bound to the plan;
 * later calls with the key allocate their outputs and :meth:`LaunchPlan.replay` the launches: the
   slots are filled with this call's tensors and the compiled kernel's launcher is called directly,
   with no binding, specialisation or deciding.
