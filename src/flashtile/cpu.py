@@ -20,7 +20,8 @@ PyTorch's kernel returned log-sum-exps ~5e-5 off float64 (measured at 2×4×37×
 where flashtile keeps them within 1e-5. A call that does not return it (``options.returns_lse``
 False: the default of the public functions) runs PyTorch's 16-bit kernel as SDPA does, forward and
 backward, consistently with its own log-sum-exp: its outputs and gradients meet flash-attn's rule
-(tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"). GQA/MQA run
+(tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"); the backward of
+short sequences runs in float32, which PyTorch computes faster there (:data:`SHORT_BACKWARD_SEQLEN`). GQA/MQA run
 without K/V copies where the mask allows (:class:`_Layout`).
 Everything else runs ``flashtile.reference``'s tiled algorithm.
 """
@@ -70,10 +71,21 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     return _pytorch_causal(options, q.shape[1], k.shape[1]) is not None
 
 
-def _compute_dtype(q: torch.Tensor, options: AttentionOptions, bias) -> torch.dtype:
+# Up to this many queries and keys, PyTorch's 16-bit CPU backward costs more than its float32 one with
+# the conversions: a training step's backward 0.55-0.8x the 16-bit one at seqlen 128, 1.07-1.42x at 256
+# (bf16, 2 cores, torch 2.13; benchmarks/NOTES.md, "The CPU backward's dtype"). Its 16-bit forward is
+# 2-5x faster than float32 at every size, so the forward stays 16-bit.
+SHORT_BACKWARD_SEQLEN = 128
+
+
+def _compute_dtype(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, bias, backward: bool) -> torch.dtype:
     """The dtype PyTorch's kernel runs in: q's own 16-bit type where the caller does not read the
-    log-sum-exp (and no bias, which the kernel would want in that type too), else float32."""
+    log-sum-exp (and no bias, which the kernel would want in that type too), except a backward over
+    short sequences (:data:`SHORT_BACKWARD_SEQLEN`); else float32. A float32 backward of a 16-bit
+    forward rebuilds the same P: both kernels form the scores in float32 from the same 16-bit values."""
     native = not options.returns_lse and bias is None and q.dtype in (torch.float16, torch.bfloat16)
+    if native and backward and max(q.shape[1], k.shape[1]) <= SHORT_BACKWARD_SEQLEN:
+        return torch.float32
     return q.dtype if native else torch.float32
 
 
@@ -91,8 +103,8 @@ class _Layout:
     position, so causal attention repeats K/V over the group instead (and sums dK/dV back).
     """
 
-    def __init__(self, q, k, options: AttentionOptions, bias):
-        self.dtype = _compute_dtype(q, options, bias)
+    def __init__(self, q, k, options: AttentionOptions, bias, backward: bool = False):
+        self.dtype = _compute_dtype(q, k, options, bias, backward)
         self.batch, self.seqlen_q, self.nheads_q = q.shape[:3]
         self.nheads_k = k.shape[2]
         self.group = self.nheads_q // self.nheads_k
@@ -147,7 +159,7 @@ def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):
     """→ (dq, dk, dv) in the inputs' layouts (in the compute dtype), P rebuilt from ``lse``."""
-    layout = _Layout(q, k, options, bias)
+    layout = _Layout(q, k, options, bias, backward=True)
     # a row that sees no key: any finite lse rebuilds its P as 0 (its scores are −inf), −inf would give NaN
     lse = lse.masked_fill(torch.isneginf(lse), 0.0).contiguous()
     dq, dk, dv = _BACKWARD(layout.rows(dout), layout.rows(q), layout.keys(k), layout.keys(v), layout.rows(out),
