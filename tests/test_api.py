@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import flashtile
 from flashtile._options import AttentionOptions, AttentionTensors
@@ -98,6 +99,39 @@ def test_op_helpers_refuse_inputs_that_need_grad():
         out, lse = flashtile.ops.attention_forward(q, q, q, 0.25, causal=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         flashtile.ops.attention_backward(torch.randn_like(q), q, q, q, out, lse, 0.25, causal=True)
+
+
+class _OperatorLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every operator that reaches the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_modes_and_the_profiler_see_the_operators(device):
+    # eager calls skip the dispatcher (ops.direct); a dispatch mode, the profiler or a traced
+    # call must still meet flashtile::fwd and flashtile::bwd, with the same results
+    q, k, v = (torch.randn(1, 9, 2, 16, device=device, requires_grad=True) for _ in range(3))
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    expected.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with _OperatorLog() as log:
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+    assert "flashtile.fwd.default" in log.names and "flashtile.bwd.default" in log.names
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for t, grad in zip((q, k, v), grads):
+        torch.testing.assert_close(t.grad, grad, rtol=0, atol=0)
+    with torch.profiler.profile() as profile, torch.no_grad():
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert "flashtile::fwd" in {event.name for event in profile.events()}
 
 
 @pytest.mark.parametrize("name", [name for name in flashtile.__all__ if callable(getattr(flashtile, name))])

@@ -1,4 +1,5 @@
-"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` operators,
+"""The one autograd layer: a ``torch.autograd.Function`` over the ``flashtile::fwd``/``bwd`` operators
+(called through ``ops.call_fwd``/``call_bwd``, which skip the dispatcher in eager calls),
 and :func:`attend`, which calls it only where a gradient can be asked for.
 
 Inputs come separate ``(q, k, v)`` or packed (``qkv`` stacked on dim −3, or ``q`` and
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._options import AttentionOptions, AttentionTensors
-from .ops import bwd_op, fwd_op
+from .ops import call_bwd, call_fwd
 
 SEPARATE, QKV_PACKED, KV_PACKED = "separate", "qkv", "kv"
 
@@ -42,7 +43,7 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v = unpack(layout, a, b, c)
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
-        out, lse = fwd_op(q, k, v, *tensors, *options)
+        out, lse = call_fwd(q, k, v, *tensors, *options)
         ctx.save_for_backward(a, b, c, out, lse, *tensors)
         ctx.layout = layout
         ctx.options = options
@@ -57,7 +58,7 @@ class FlashAttnFunction(torch.autograd.Function):
         grads = [torch.empty_like(t) if t is not None else None for t in (a, b, c)]
         dq, dk, dv = unpack(ctx.layout, *grads)
         bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
-        dbias, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+        dbias, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
         dsink = dsink if tensors.learnable_sink is not None and ctx.needs_input_grad[9] else None
         return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)
 
@@ -74,5 +75,5 @@ def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
                                        cu_seqlens_k, learnable_sink, options)
     q, k, v = unpack(layout, a, b, c)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    return fwd_op(q, k, v, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
+    return call_fwd(q, k, v, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
                   *options)

@@ -40,8 +40,8 @@ from ._options import AttentionOptions, AttentionTensors, fold_causal
 from .triton import launch
 from .triton._interpreter import interpreting
 
-__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "fwd_op", "kvcache_append",
-           "kvcache_attention", "merge_states", "out_shape", "uses_triton"]
+__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "call_bwd", "call_fwd", "direct", "fwd_op",
+           "kvcache_append", "kvcache_attention", "merge_states", "out_shape", "uses_triton"]
 
 BACKENDS = {
     "cuda": "the Triton kernels on the GPU (on sm_90 the plain forward is the Gluon kernel)",
@@ -236,6 +236,31 @@ fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
 
 
+def direct(q: torch.Tensor) -> bool:
+    """Whether a call with query ``q`` may run its operator's kernel (``_fwd``, ``_bwd``, ...) without the
+    dispatcher, which would only find that same kernel and costs ~4 µs of a CPU core per call (~13 µs
+    on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call on plain tensors, no gradient
+    asked of q. Not while torch.compile traces (checked first: Dynamo must see the operator), under a
+    torch function or dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or the
+    profiler, whose traces name the operators."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor
+            and not (q.requires_grad and torch.is_grad_enabled())
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active() and not torch.autograd.profiler._is_profiler_enabled)
+
+
+def call_fwd(q, k, v, *arguments):
+    """``fwd_op(q, k, v, *arguments)``: its kernel directly where :func:`direct` allows, else the operator."""
+    return _fwd(q, k, v, *arguments) if direct(q) else fwd_op(q, k, v, *arguments)
+
+
+def call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
+    """``bwd_op(...)``: its kernel directly where :func:`direct` allows, else the operator."""
+    if direct(q):
+        return _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments)
+    return bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments)
+
+
 # ----------------------------------------------------------------------------------------------
 # Non-differentiable entry points, for code that composes attention calls itself (ring attention)
 
@@ -265,7 +290,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_siz
     options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
     tensors = AttentionTensors(alibi_slopes, attn_bias, _seed_tensor(dropout_seed, q.device),
                                learnable_sink=learnable_sink)
-    return fwd_op(q, k, v, *tensors, *options)
+    return call_fwd(q, k, v, *tensors, *options)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
@@ -285,7 +310,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device),
                                learnable_sink=learnable_sink)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _, dsink = bwd_op(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
+    _, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
@@ -408,6 +433,9 @@ def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_tab
             options.window_right, options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
             max_seqlen_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start,
             bool(rotary_interleaved))
+    if direct(q):
+        result, lse = _kvcache_fwd(*call, out=out)
+        return (result if out is None else out), lse
     if out is None:
         return torch.ops.flashtile.kvcache_fwd(*call)
     return out, torch.ops.flashtile.kvcache_fwd_out(*call, out)
