@@ -55,19 +55,20 @@ def check_qkv(q, k, v, *, heads_axis: int, names=("q", "k", "v"), packed: bool =
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # each .shape builds a new torch.Size
 
     def shapes():  # formatted for an error only: this check runs on every call
-        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        return f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}"
 
-    if k.shape[:-1] != v.shape[:-1]:
+    if k_shape[:-1] != v_shape[:-1]:
         raise ValueError(f"k and v must have the same shape but for the head dim, got {shapes()}")
-    if not packed and q.shape[0] != k.shape[0]:
+    if not packed and q_shape[0] != k_shape[0]:
         raise ValueError(f"batch sizes differ: {shapes()}")
-    if q.shape[-1] != k.shape[-1]:
+    if q_shape[-1] != k_shape[-1]:
         raise ValueError(f"head dims of q and k differ: {shapes()}")
-    check_head_dim(q.shape[-1], shapes)
-    check_head_dim(v.shape[-1], shapes, "head dim of v")
-    nheads_q, nheads_k = q.shape[heads_axis], k.shape[heads_axis]
+    check_head_dim(q_shape[-1], shapes)
+    check_head_dim(v_shape[-1], shapes, "head dim of v")
+    nheads_q, nheads_k = q_shape[heads_axis], k_shape[heads_axis]
     if nheads_k == 0 or nheads_q % nheads_k != 0:
         raise ValueError(
             f"nheads of q ({nheads_q}) must be a multiple of nheads of k/v ({nheads_k}): {shapes()}"

@@ -43,7 +43,7 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v = unpack(layout, a, b, c)
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
-        out, lse = call_fwd(q, k, v, *tensors, *options)
+        out, lse = call_fwd(q, k, v, tensors, options)
         ctx.save_for_backward(a, b, c, out, lse, *tensors)
         ctx.layout = layout
         ctx.options = options
@@ -58,7 +58,7 @@ class FlashAttnFunction(torch.autograd.Function):
         grads = [torch.empty_like(t) if t is not None else None for t in (a, b, c)]
         dq, dk, dv = unpack(ctx.layout, *grads)
         bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
-        dbias, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+        dbias, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors, ctx.options)
         dsink = dsink if tensors.learnable_sink is not None and ctx.needs_input_grad[9] else None
         return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)
 
@@ -75,5 +75,5 @@ def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
                                        cu_seqlens_k, learnable_sink, options)
     q, k, v = unpack(layout, a, b, c)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    return call_fwd(q, k, v, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
-                  *options)
+    tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
+    return call_fwd(q, k, v, tensors, options)

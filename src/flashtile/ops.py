@@ -98,16 +98,15 @@ def _fields(arguments) -> tuple[AttentionTensors, AttentionOptions]:
     return AttentionTensors(*arguments[:_NUM_TENSORS]), AttentionOptions(*arguments[_NUM_TENSORS:])
 
 
-def _call(arguments) -> tuple[AttentionTensors, AttentionOptions]:
-    """:func:`_fields`, a packed batch's bounds made non-decreasing (``reference.nondecreasing``): every
-    path then sees the same disjoint sequences, whatever values reached it unchecked."""
-    tensors, options = _fields(arguments)
-    if tensors.is_varlen:
-        cu_q = reference.nondecreasing(tensors.cu_seqlens_q)
-        same = tensors.cu_seqlens_k is tensors.cu_seqlens_q
-        tensors = tensors._replace(cu_seqlens_q=cu_q,
-                                   cu_seqlens_k=cu_q if same else reference.nondecreasing(tensors.cu_seqlens_k))
-    return tensors, options
+def _prepared(tensors: AttentionTensors) -> AttentionTensors:
+    """A packed batch's bounds made non-decreasing (``reference.nondecreasing``): every path then sees
+    the same disjoint sequences, whatever values reached it unchecked."""
+    if not tensors.is_varlen:
+        return tensors
+    cu_q = reference.nondecreasing(tensors.cu_seqlens_q)
+    same = tensors.cu_seqlens_k is tensors.cu_seqlens_q
+    return tensors._replace(cu_seqlens_q=cu_q,
+                            cu_seqlens_k=cu_q if same else reference.nondecreasing(tensors.cu_seqlens_k))
 
 
 def out_shape(q, v) -> tuple[int, ...]:
@@ -138,7 +137,11 @@ def _wants_grad(t) -> bool:
 
 
 def _fwd(q, k, v, *arguments):
-    tensors, options = _call(arguments)
+    tensors, options = _fields(arguments)
+    return _forward(q, k, v, _prepared(tensors), options)
+
+
+def _forward(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
     if _attends_nothing(q, k, tensors):
         # nothing to attend: output 0, log-sum-exp -inf, or the sink's logit (its mass alone)
         lse = torch.full(_lse_shape(q, tensors), -math.inf, device=q.device)
@@ -173,7 +176,11 @@ def _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     learnable sink's gradient [Hq] float32, or an empty tensor). The sink's gradient needs only
     D = rowsum(dO ∘ O), which the kernels form anyway: it is reduced from theirs, and formed here on
     the PyTorch paths."""
-    tensors, options = _call(arguments)
+    tensors, options = _fields(arguments)
+    return _backward(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, _prepared(tensors), options)
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors: AttentionTensors, options: AttentionOptions):
     dbias, delta = _gradients(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors, options)
     dsink = q.new_empty((0,), dtype=torch.float32)  # outputs must not alias: one empty tensor each
     if tensors.learnable_sink is not None:
@@ -249,16 +256,21 @@ def direct(q: torch.Tensor) -> bool:
             and not torch._C._are_functorch_transforms_active() and not torch.autograd.profiler._is_profiler_enabled)
 
 
-def call_fwd(q, k, v, *arguments):
-    """``fwd_op(q, k, v, *arguments)``: its kernel directly where :func:`direct` allows, else the operator."""
-    return _fwd(q, k, v, *arguments) if direct(q) else fwd_op(q, k, v, *arguments)
-
-
-def call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
-    """``bwd_op(...)``: its kernel directly where :func:`direct` allows, else the operator."""
+def call_fwd(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
+    """``fwd_op(q, k, v, *tensors, *options)``: its kernel directly where :func:`direct` allows, else the
+    operator."""
     if direct(q):
-        return _bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments)
-    return bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments)
+        return _forward(q, k, v, _prepared(tensors), options)
+    return fwd_op(q, k, v, *tensors, *options)
+
+
+def call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad: bool, tensors: AttentionTensors,
+             options: AttentionOptions):
+    """``bwd_op(..., bias_grad, *tensors, *options)``: its kernel directly where :func:`direct` allows,
+    else the operator."""
+    if direct(q):
+        return _backward(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, _prepared(tensors), options)
+    return bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +302,7 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, *, window_siz
     options = AttentionOptions(softmax_scale, *fold_causal(window_size, causal), softcap, dropout_p)
     tensors = AttentionTensors(alibi_slopes, attn_bias, _seed_tensor(dropout_seed, q.device),
                                learnable_sink=learnable_sink)
-    return call_fwd(q, k, v, *tensors, *options)
+    return call_fwd(q, k, v, tensors, options)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, *, window_size=(-1, -1),
@@ -310,7 +322,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bo
     tensors = AttentionTensors(alibi_slopes, None, _seed_tensor(dropout_seed, q.device),
                                learnable_sink=learnable_sink)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, *tensors, *options)
+    _, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, tensors, options)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
