@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import flashtile  # noqa: E402
+import flashtile.ops  # noqa: E402
 from flashtile._options import AttentionOptions, AttentionTensors  # noqa: E402
 from flashtile.triton import launch  # noqa: E402
 from flashtile.cli.bench import environment  # noqa: E402
@@ -97,14 +98,14 @@ def _layers(device: str):
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
-    ops = torch.ops.flashtile
+    ops = flashtile.ops  # call_fwd/call_bwd: how eager calls reach the operators (ops.direct)
     return [("an empty Triton kernel", lambda: _empty_kernel[(1,)](q)),
             ("forward launcher", lambda: launch.attention_forward(q, k, v, causal, plain)),
-            ("forward operator", lambda: ops.fwd(q, k, v, *plain, *causal)),
+            ("forward operator", lambda: ops.call_fwd(q, k, v, plain, causal)),
             ("forward, public function", lambda: _inference(q, k, v)),
             ("backward launcher (3 kernels)",
              lambda: launch.attention_backward(dout, q, k, v, out, lse, causal, plain, dq, dk, dv)),
-            ("backward operator", lambda: ops.bwd(dout, q, k, v, out, lse, dq, dk, dv, False, *plain, *causal)),
+            ("backward operator", lambda: ops.call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, plain, causal)),
             ("backward through autograd", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True))]
 
 
