@@ -485,22 +485,22 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         return _paged_prefill(plan, call_key, q, k_cache, v_cache, seqlens_k, block_table, options, alibi_slopes,
                               learnable_sink, cu_seqlens_q, max_seqlen_q, out)
     # packed queries: tokens that no sequence covers are never written, so they start at 0 and -inf
-    allocate = functools.partial(torch.zeros if varlen else torch.empty, device=q.device)
-    empty_lse = functools.partial(torch.full, fill_value=float("-inf")) if varlen else torch.empty
-    if out is None:
-        out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype)  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
+    allocate = torch.zeros if varlen else torch.empty
+    if out is None:  # [B, Sq, Hq, Dv] or [1, total_q, Hq, Dv]
+        out = allocate((*lead, nheads_q, head_dim_v), dtype=q.dtype, device=q.device)
     elif varlen:
         out = out.zero_()[None]  # as allocated: tokens outside every sequence read 0
-    lse = empty_lse((lead[0], nheads_q, rows), dtype=torch.float32, device=q.device)  # [B, Hq, Sq] or [1, Hq, total_q]
+    lse = _kvcache_lse((lead[0], nheads_q, rows), varlen, q.device)  # [B, Hq, Sq] or [1, Hq, total_q]
     if plan.num_splits == 1:
         # one split: the kernel's partial result is the final one, written in q's dtype
         out_part, lse_part = out.unsqueeze(0), lse.unsqueeze(0)
     else:
-        out_part = allocate((plan.num_splits, *out.shape), dtype=torch.float32)
-        lse_part = empty_lse((plan.num_splits, *lse.shape), dtype=torch.float32, device=q.device)
-    # tensors a configuration does not use are passed as (unread) stand-ins
-    table = block_table if block_table is not None else seqlens_k[:, None]
-    slopes = seqlens_k[:, None] if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)
+        out_part = allocate((plan.num_splits, *out.shape), dtype=torch.float32, device=q.device)
+        lse_part = _kvcache_lse((plan.num_splits, *lse.shape), varlen, q.device)
+    # tensors a configuration does not use are passed as (unread) stand-ins: one view for both
+    stand_in = seqlens_k[:, None] if block_table is None or alibi_slopes is None else None
+    table = block_table if block_table is not None else stand_in
+    slopes = stand_in if alibi_slopes is None else alibi_slopes.expand(batch, nheads_q)
     if rotary_cos is not None:  # the kernels index the tables' rows by one stride
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     call = (q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx, table, slopes, learnable_sink,
@@ -513,6 +513,14 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
         if plan.num_splits > 1:
             merge_states_into(out_part, lse_part, out, lse)
     return (out[0], lse[0]) if varlen else (out, lse)
+
+
+def _kvcache_lse(shape, varlen: bool, device) -> torch.Tensor:
+    """A log-sum-exp buffer of the KV-cache forward: packed queries' start at −inf (tokens outside every
+    sequence are never written)."""
+    if varlen:
+        return torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def paged_prefill_usable(q, k_cache, v_cache, cache_batch_idx, block_table, cu_seqlens_q, cache_leftpad, k_descale,
