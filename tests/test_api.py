@@ -134,6 +134,30 @@ def test_modes_and_the_profiler_see_the_operators(device):
     assert "flashtile::fwd" in {event.name for event in profile.events()}
 
 
+def test_meta_tensors_get_shapes_from_the_fake_kernels():
+    # meta tensors hold no data: the operators' fake implementations give the outputs' shapes
+    q = torch.empty(1, 8, 2, 16, device="meta")
+    assert flashtile.flash_attn_func(q, q, q).shape == (1, 8, 2, 16)
+    packed, cu_seqlens = torch.empty(16, 2, 16, device="meta"), torch.tensor([0, 8, 16], dtype=torch.int32)
+    out = flashtile.flash_attn_varlen_func(packed, packed, packed, cu_seqlens.to("meta"), cu_seqlens.to("meta"), 8, 8)
+    assert out.shape == (16, 2, 16) and out.is_meta
+
+
+def test_jit_trace_records_the_operator():
+    # a trace must hold flashtile::fwd, not the aten calls of the path one call took (a packed batch's
+    # bounds read on the host would be frozen into it)
+    q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
+    bounds, other_bounds = (torch.tensor(b, dtype=torch.int32) for b in ([0, 4, 12], [0, 9, 12]))
+
+    def attend(q, k, v, cu_seqlens):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 12, 12, causal=True)
+
+    with torch.no_grad():
+        traced = torch.jit.trace(attend, (q, k, v, bounds), check_trace=False)
+        assert "flashtile::fwd" in str(traced.graph)
+        torch.testing.assert_close(traced(q, k, v, other_bounds), attend(q, k, v, other_bounds), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", [name for name in flashtile.__all__ if callable(getattr(flashtile, name))])
 def test_help_names_every_argument(name):
     # flash-attn's docstrings are complete per function: help() shows what each argument means

@@ -243,23 +243,26 @@ fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
 
 
-def direct(q: torch.Tensor) -> bool:
-    """Whether a call with query ``q`` may run its operator's kernel (``_fwd``, ``_bwd``, ...) without the
-    dispatcher, which would only find that same kernel and costs ~4 µs of a CPU core per call (~13 µs
-    on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call on plain tensors, no gradient
-    asked of q. Not while torch.compile traces (checked first: Dynamo must see the operator), under a
-    torch function or dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or the
-    profiler, whose traces name the operators."""
-    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor
-            and not (q.requires_grad and torch.is_grad_enabled())
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active() and not torch.autograd.profiler._is_profiler_enabled)
+def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call on ``q``, ``k``, ``v`` may run its operator's kernel (``_forward``, ``_backward``, ...)
+    without the dispatcher, which would only find that same kernel and costs ~4 µs of a CPU core per call
+    (~13 µs on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call on plain tensors with
+    data, no gradient asked of q. Not while torch.compile traces (checked first: Dynamo must see the
+    operator) or ``torch.jit.trace`` records (the trace must hold the operator, not the path one call
+    took), on meta tensors (the operator's fake kernel gives their shapes), under a torch function or
+    dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or a profiler, whose traces
+    name the operators."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor and not q.is_meta and not (q.requires_grad and torch.is_grad_enabled())
+            and not torch._C._get_tracing_state() and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
+            and not torch._C._autograd._profiler_enabled())
 
 
 def call_fwd(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
     """``fwd_op(q, k, v, *tensors, *options)``: its kernel directly where :func:`direct` allows, else the
     operator."""
-    if direct(q):
+    if direct(q, k, v):
         return _forward(q, k, v, _prepared(tensors), options)
     return fwd_op(q, k, v, *tensors, *options)
 
@@ -268,7 +271,7 @@ def call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad: bool, tensors: Atte
              options: AttentionOptions):
     """``bwd_op(..., bias_grad, *tensors, *options)``: its kernel directly where :func:`direct` allows,
     else the operator."""
-    if direct(q):
+    if direct(q, k, v):
         return _backward(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, _prepared(tensors), options)
     return bwd_op(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *options)
 
@@ -445,7 +448,7 @@ def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_tab
             options.window_right, options.softcap, alibi_slopes, num_splits, learnable_sink, cu_seqlens_q,
             max_seqlen_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start,
             bool(rotary_interleaved))
-    if direct(q):
+    if direct(q, k_cache, v_cache):
         result, lse = _kvcache_fwd(*call, out=out)
         return (result if out is None else out), lse
     if out is None:
