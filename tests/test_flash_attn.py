@@ -51,6 +51,36 @@ def test_16_bit_calls_that_do_not_return_the_lse(backend, dtype, heads, causal):
         assert torch.equal(out, sdpa.transpose(1, 2))
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("case", ["full", "causal", "gqa-full", "gqa-causal", "qkvpacked", "fp32-lse"])
+def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
+    # where PyTorch's fused CPU kernel computes a call both ways in the inputs' dtype, its own autograd node
+    # takes the place of flashtile's Python Function (ops.differentiable): the same kernels on the same
+    # tensors, so the same bits
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dtype = torch.float32 if case == "fp32-lse" else torch.bfloat16
+    q, k, v, do = make_inputs(2, 203, 203, 4, 2 if case.startswith("gqa") else 4, 64, dtype, seed=12)
+    causal = case.endswith("causal")
+
+    def run():
+        if case == "qkvpacked":
+            qkv = torch.stack([q, k, v], dim=2).detach().requires_grad_()
+            out = flashtile.flash_attn_qkvpacked_func(qkv, causal=causal)
+            return out, torch.autograd.grad(out, qkv, do)
+        out = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=case == "fp32-lse")
+        out = out[0] if case == "fp32-lse" else out
+        return out, torch.autograd.grad(out, (q, k, v), do)
+
+    out, grads = run()
+    assert type(out.grad_fn).__name__ != "FlashAttnFunctionBackward"
+    monkeypatch.setattr(flashtile.autograd, "differentiable", lambda *arguments: False)
+    function_out, function_grads = run()
+    assert type(function_out.grad_fn).__name__ == "FlashAttnFunctionBackward"
+    assert torch.equal(out, function_out)
+    for got, expected in zip(grads, function_grads):
+        assert torch.equal(got, expected)
+
+
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")

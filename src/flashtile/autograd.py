@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._options import AttentionOptions, AttentionTensors
-from .ops import call_bwd, call_fwd
+from .ops import call_bwd, call_fwd, differentiable, differentiable_fwd, uses_triton
 
 SEPARATE, QKV_PACKED, KV_PACKED = "separate", "qkv", "kv"
 
@@ -65,15 +65,22 @@ class FlashAttnFunction(torch.autograd.Function):
 
 def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
            options: AttentionOptions):
-    """``FlashAttnFunction.apply`` with the same arguments → (out, lse); where no gradient can be asked
-    for (grad mode off, or no differentiable input that requires one) the forward operator alone:
-    autograd's Function machinery costs ~20 µs of host time per call on a CPU core, as much as a small
-    call's launch (benchmarks/NOTES.md, "Host time")."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (a, b, c, attn_bias, learnable_sink)):
+    """``FlashAttnFunction.apply`` with the same arguments → (out, lse), where a gradient can be asked for
+    and the call is not one that PyTorch's autograd differentiates itself (``ops.differentiable``: the CPU
+    path's fused kernel); else the forward alone, whose result PyTorch's kernel makes differentiable in that
+    case. autograd's Function machinery costs ~20 µs of host time per call on a CPU core, as much as a
+    small call's launch (benchmarks/NOTES.md, "Host time")."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (a, b, c, attn_bias, learnable_sink))
+    if wants_grad and uses_triton(a):
         return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
                                        cu_seqlens_k, learnable_sink, options)
     q, k, v = unpack(layout, a, b, c)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
-    return call_fwd(q, k, v, tensors, options)
+    if not wants_grad:
+        return call_fwd(q, k, v, tensors, options)
+    if differentiable(q, k, v, tensors, options):
+        return differentiable_fwd(q, k, v, tensors, options)
+    return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
+                                   cu_seqlens_k, learnable_sink, options)

@@ -33,7 +33,7 @@ import torch
 from . import reference
 from ._options import AttentionOptions, AttentionTensors
 
-__all__ = ["fused_applies", "fused_attention_backward", "fused_attention_forward", "varlen_attention_backward",
+__all__ = ["differentiable_applies", "fused_applies", "fused_attention_backward", "fused_attention_forward", "varlen_attention_backward",
            "varlen_attention_forward"]
 
 # the forward through its torch binding: ~2 µs a call less than the operator handle (which the
@@ -94,6 +94,22 @@ def _compute_dtype(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, without the dispatch where it is a no-op (~1 µs a call on a CPU core)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                           tensors: AttentionTensors) -> bool:
+    """Whether a call that wants gradients can be left to PyTorch's autograd of its fused kernel: a call
+    :func:`fused_applies` accepts (no bias gradient), not packed (its sequences are separate calls), that
+    runs both ways in the inputs' own dtype (:func:`_compute_dtype`): not the float32 backward of short
+    16-bit sequences, and not a 16-bit call computed in float32, whose backward PyTorch would run on the
+    float32 output it saved where flashtile's runs on the rounded one it returned. Then
+    :func:`fused_attention_forward`, run with the inputs' gradients on, records PyTorch's backward of
+    the same kernel on the same tensors: the gradients are flashtile's own backward's, bit for bit."""
+    bias = tensors.attn_bias
+    if tensors.is_varlen or not (_compute_dtype(q, k, options, bias, backward=False) == q.dtype
+                                 == _compute_dtype(q, k, options, bias, backward=True)):
+        return False
+    return fused_applies(q, k, v, options, tensors, bias_grad=bias is not None and bias.requires_grad)
 
 
 class _Layout:

@@ -40,7 +40,8 @@ from ._options import AttentionOptions, AttentionTensors, fold_causal
 from .triton import launch
 from .triton._interpreter import interpreting
 
-__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "call_bwd", "call_fwd", "direct", "fwd_op",
+__all__ = ["attention_backward", "attention_forward", "backend", "bwd_op", "call_bwd", "call_fwd", "differentiable",
+           "differentiable_fwd", "direct", "fwd_op",
            "kvcache_append", "kvcache_attention", "merge_states", "out_shape", "uses_triton"]
 
 BACKENDS = {
@@ -243,20 +244,42 @@ fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
 
 
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """An eager call on plain tensors with data: not while torch.compile traces (checked first: Dynamo must
+    see the operator) or ``torch.jit.trace`` records (the trace must hold the operator, not the path one
+    call took), not on meta tensors (the operator's fake kernel gives their shapes), under a torch function
+    or dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or a profiler, whose traces
+    name the operators."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor and not q.is_meta and not torch._C._get_tracing_state()
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active() and not torch._C._autograd._profiler_enabled())
+
+
 def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call on ``q``, ``k``, ``v`` may run its operator's kernel (``_forward``, ``_backward``, ...)
     without the dispatcher, which would only find that same kernel and costs ~4 µs of a CPU core per call
-    (~13 µs on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call on plain tensors with
-    data, no gradient asked of q. Not while torch.compile traces (checked first: Dynamo must see the
-    operator) or ``torch.jit.trace`` records (the trace must hold the operator, not the path one call
-    took), on meta tensors (the operator's fake kernel gives their shapes), under a torch function or
-    dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or a profiler, whose traces
-    name the operators."""
-    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and type(v) is torch.Tensor and not q.is_meta and not (q.requires_grad and torch.is_grad_enabled())
-            and not torch._C._get_tracing_state() and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active()
-            and not torch._C._autograd._profiler_enabled())
+    (~13 µs on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call (:func:`_eager`) with no
+    gradient asked of q."""
+    return not (q.requires_grad and torch.is_grad_enabled()) and _eager(q, k, v)
+
+
+def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: AttentionTensors,
+                   options: AttentionOptions) -> bool:
+    """Whether an eager call that wants gradients may leave them to PyTorch's own autograd: on the CPU path,
+    where PyTorch's fused kernel computes the call forward and backward in one dtype
+    (``cpu.differentiable_applies``), its C++ backward node does what ``flashtile.autograd``'s Python
+    Function would, with the same kernels, for ~20-100 µs less a call on a CPU core and no copies of the
+    gradients into buffers (benchmarks/NOTES.md, "The CPU path's autograd"). Not for calls with nothing to
+    attend (PyTorch's kernel divides by zero on empty inputs; the operator gives their zeros)."""
+    return (not uses_triton(q) and _eager(q, k, v) and not _attends_nothing(q, k, tensors)
+            and cpu.differentiable_applies(q, k, v, options, tensors))
+
+
+def differentiable_fwd(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
+    """The forward of a call :func:`differentiable` accepts → (out, lse): out differentiable by PyTorch's
+    autograd, lse not (PyTorch's kernel declares it so)."""
+    return cpu.fused_attention_forward(q, k, v, options, tensors.attn_bias)
 
 
 def call_fwd(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
