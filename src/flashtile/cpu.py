@@ -153,6 +153,17 @@ class _Layout:
         """The kernel's [B, H, rows, ...] → [B, Hq, Nq, ...]."""
         return t.reshape(self.batch, self.nheads_q, self.seqlen_q, *t.shape[3:]) if self.fold else t
 
+    def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's out [B, H, rows, Dv] → [B, Nq, Hq, Dv] contiguous in ``dtype``, with one copy at most
+        (the kernel lays its out as [B, rows, H, Dv] in memory: unfolded rows are a permutation of it)."""
+        if not self.fold:
+            return _as(out.transpose(1, 2), dtype).contiguous()
+        result = out.new_empty((self.batch, self.seqlen_q, self.nheads_q, out.shape[-1]), dtype=dtype)
+        # [B, Hk, G·Nq, Dv] → [B, Nq, Hk, G, Dv]: query head h = hk·G + g
+        result.view(self.batch, self.seqlen_q, self.nheads_k, self.group, -1).copy_(
+            out.unflatten(2, (self.group, self.seqlen_q)).permute(0, 3, 1, 2, 4))
+        return result
+
     def fold_lse(self, lse: torch.Tensor) -> torch.Tensor:
         """lse [B, Hq, Nq] → the kernel's [B, H, rows]."""
         return lse.reshape(self.batch, self.nheads_k, self.group * self.seqlen_q) if self.fold else lse
@@ -165,14 +176,15 @@ class _Layout:
 def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
     """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts.
     A row that a bias leaves no key gets output 0, as flashtile's, and log-sum-exp −inf (PyTorch's
-    kernel reports 0 there)."""
+    kernel reports 0 there) where the caller reads it (``options.returns_lse``): the backward rebuilds
+    such a row's P as 0 from either, and the check costs five tensor operations a call."""
     layout = _Layout(q, k, options, bias)
     out, lse = _FORWARD(layout.rows(q), layout.keys(k), layout.keys(v), 0.0, layout.causal,
                         attn_mask=layout.bias, scale=options.softmax_scale)
-    out, lse = layout.unfold_rows(out), layout.unfold_rows(lse)
-    if bias is not None:
+    lse = layout.unfold_rows(lse)
+    if bias is not None and options.returns_lse:
         lse = lse.masked_fill(torch.isneginf(bias).all(-1).expand(lse.shape), float("-inf"))
-    return _as(out.transpose(1, 2), q.dtype).contiguous(), lse
+    return layout.output(out, q.dtype), lse
 
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):

@@ -73,6 +73,18 @@ def _rotary(b_x, x_rows, stride_xd, m_rows, positions, Cos, Sin, stride_ro, seql
 
 
 @triton.jit
+def _float8_to_float16(x):
+    """A float8 tile (e4m3 or e5m2) widened to float16, exactly, by the PTX conversion of two values at
+    a time (sm_89 and later): the same instruction ``.to(tl.float16)`` lowers to, in a form whose layout
+    Triton keeps (the kernel's ``CONVERT_V_BY_PTX``). GPU only: Triton's interpreter runs no PTX."""
+    if x.dtype == tl.float8e5:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [x], dtype=tl.float16,
+                                         is_pure=False, pack=2)
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def kvcache_attn_fwd_kernel(
     Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ, CacheLeftpad,
     KDescale, VDescale, RotaryCos, RotarySin, RotaryStart,
@@ -85,7 +97,7 @@ def kvcache_attn_fwd_kernel(
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows, seqlen_ro,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_DESCALE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+    HAS_DESCALE: tl.constexpr, CONVERT_V_BY_PTX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
     ROTARY_AT_START: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -102,7 +114,12 @@ def kvcache_attn_fwd_kernel(
     ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
     widened for the dots to float16 (each row of bfloat16 q divided by a power of two that fits it; q's
     own dtype for absorbed MLA's head dims beyond one chunk), the K scale folded into the score scale
-    and the V scale into the output. ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
+    and the V scale into the output. ``CONVERT_V_BY_PTX`` (float8 V widened to float16, on a GPU): V's
+    widening is written as the PTX instruction (``_float8_to_float16``), which Triton does not move: with
+    ``.to()`` it moved the conversion after a change to the dot operand's layout, which loads an 8-bit
+    tile transposed one byte at a time (64 ``ld.shared.b8`` per thread per block in the sm_90a PTX); this
+    way the tile converts where it was loaded and the transposition runs on float16 (``ldmatrix.trans``).
+    ``ROTARY_DIM`` > 0: Q's first ROTARY_DIM channels are rotated at positions
     ``RotaryStart[b]`` + the query's index in its sequence (``RotaryStart[b]`` alone with
     ``ROTARY_AT_START``), in one chunk (the launcher keeps ROTARY_DIM ≤ BLOCK_D)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
@@ -225,7 +242,7 @@ def kvcache_attn_fwd_kernel(
                       mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         if HAS_DESCALE:  # float8 → the dots' dtype (q's, or float16): exact, the scales applied outside them
             b_k = b_k.to(b_q.dtype)
-            b_v = b_v.to(b_q.dtype)
+            b_v = b_v.to(b_q.dtype) if not CONVERT_V_BY_PTX or b_q.dtype != tl.float16 else _float8_to_float16(b_v)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         # head dims beyond one chunk (absorbed MLA: 576): the rest of Q·Kᵀ chunk by chunk, Q re-read
         for d0 in tl.static_range(BLOCK_D, HEAD_DIM, BLOCK_D):

@@ -614,6 +614,7 @@ def _record_kvcache_attention(plan: plans.LaunchPlan, q, k_cache, v_cache, out_p
         window_left=options.window_left, window_right=options.window_right,
         IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN_Q=varlen,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_DESCALE=k_descale is not None,
+        CONVERT_V_BY_PTX=k_descale is not None and not _interpreter.interpreting(),
         MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
         HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
