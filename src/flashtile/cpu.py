@@ -21,7 +21,9 @@ where flashtile keeps them within 1e-5. A call that does not return it (``option
 False: the default of the public functions) runs PyTorch's 16-bit kernel as SDPA does, forward and
 backward, consistently with its own log-sum-exp: its outputs and gradients meet flash-attn's rule
 (tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"); the backward of
-short sequences runs in float32, which PyTorch computes faster there (:data:`SHORT_BACKWARD_SEQLEN`). GQA/MQA run
+short sequences runs in float32, which PyTorch computes faster there (:data:`SHORT_BACKWARD_SEQLEN`); a call
+that runs both ways in the inputs' own dtype takes its gradients from PyTorch's autograd of the kernel
+(:func:`differentiable_applies`). GQA/MQA run
 without K/V copies where the mask allows (:class:`_Layout`).
 Everything else runs ``flashtile.reference``'s tiled algorithm.
 """
