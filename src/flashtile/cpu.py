@@ -35,8 +35,8 @@ import torch
 from . import reference
 from ._options import AttentionOptions, AttentionTensors
 
-__all__ = ["differentiable_applies", "fused_applies", "fused_attention_backward", "fused_attention_forward", "varlen_attention_backward",
-           "varlen_attention_forward"]
+__all__ = ["differentiable_applies", "fused_applies", "fused_attention_backward", "fused_attention_forward",
+           "varlen_attention_backward", "varlen_attention_forward"]
 
 # the forward through its torch binding: ~2 µs a call less than the operator handle (which the
 # backward, with no binding, keeps)

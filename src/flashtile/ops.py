@@ -267,11 +267,12 @@ def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: AttentionTensors,
                    options: AttentionOptions) -> bool:
     """Whether an eager call that wants gradients may leave them to PyTorch's own autograd: on the CPU path,
-    where PyTorch's fused kernel computes the call forward and backward in one dtype
+    where PyTorch's fused kernel computes the call forward and backward in the inputs' dtype
     (``cpu.differentiable_applies``), its C++ backward node does what ``flashtile.autograd``'s Python
-    Function would, with the same kernels, for ~20-100 µs less a call on a CPU core and no copies of the
-    gradients into buffers (benchmarks/NOTES.md, "The CPU path's autograd"). Not for calls with nothing to
-    attend (PyTorch's kernel divides by zero on empty inputs; the operator gives their zeros)."""
+    Function would, with the same kernels, without that Function's host time and its copies of the
+    gradients into buffers (benchmarks/NOTES.md, thirteenth session, "The CPU path: PyTorch's autograd
+    where its kernel computes the call"). Not for calls with nothing to attend (PyTorch's kernel divides
+    by zero on empty inputs; the operator gives their zeros)."""
     return (not uses_triton(q) and _eager(q, k, v) and not _attends_nothing(q, k, tensors)
             and cpu.differentiable_applies(q, k, v, options, tensors))
 

@@ -97,8 +97,8 @@ def kvcache_attn_fwd_kernel(
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows, seqlen_ro,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
     IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_DESCALE: tl.constexpr, CONVERT_V_BY_PTX: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-    ROTARY_AT_START: tl.constexpr,
+    HAS_DESCALE: tl.constexpr, CONVERT_V_BY_PTX: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_START: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -242,7 +242,10 @@ def kvcache_attn_fwd_kernel(
                       mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         if HAS_DESCALE:  # float8 → the dots' dtype (q's, or float16): exact, the scales applied outside them
             b_k = b_k.to(b_q.dtype)
-            b_v = b_v.to(b_q.dtype) if not CONVERT_V_BY_PTX or b_q.dtype != tl.float16 else _float8_to_float16(b_v)
+            if CONVERT_V_BY_PTX and b_q.dtype == tl.float16:
+                b_v = _float8_to_float16(b_v)
+            else:
+                b_v = b_v.to(b_q.dtype)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         # head dims beyond one chunk (absorbed MLA: 576): the rest of Q·Kᵀ chunk by chunk, Q re-read
         for d0 in tl.static_range(BLOCK_D, HEAD_DIM, BLOCK_D):
