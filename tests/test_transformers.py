@@ -141,6 +141,34 @@ def test_padded_batch_matches_sdpa_on_real_tokens(config_name, train):
     assert_grads_close(actual_grads, expected_grads)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("train", MODES.values(), ids=MODES.keys())
+def test_cpu_path_runs_left_padded_batches_as_one_masked_call(monkeypatch, train):
+    # on the "cpu" path a left-padded batch is one call of PyTorch's fused kernel with the padding as a
+    # key mask (integration._masked), prefill and each decoding step, instead of an unpadded varlen call
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    masked_calls = []
+    masked = integration._masked
+    monkeypatch.setattr(integration, "_masked", lambda *arguments: masked_calls.append(1) or masked(*arguments))
+    sdpa, tile = models("llama")
+    ids = random_ids(3, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :2] = 0
+    real = mask.bool()
+    weights = random_weights(3, 12) * real[..., None]
+    expected, expected_grads = run(sdpa, train, weights, input_ids=ids, attention_mask=mask)
+    actual, actual_grads = run(tile, train, weights, input_ids=ids, attention_mask=mask)
+    assert len(masked_calls) == 2  # one per layer
+    assert_close("logits", actual[real], expected[real])
+    assert_grads_close(actual_grads, expected_grads)
+    if not train:
+        generated = [model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+                     for model in (sdpa, tile)]
+        assert len(masked_calls) == 2 + 2 * 4  # the prefill and three decoding steps, each layer
+        assert torch.equal(*generated)
+
+
 def test_4d_boolean_mask_matches_sdpa():
     """A user's 4-D mask reaches the attention as is; flashtile.attention applies it."""
     sdpa, tile = models("llama")

@@ -126,10 +126,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be 2-D (batch, seqlen_k) or 4-D, "
                          f"got shape {tuple(attention_mask.shape)}")
+    if attention_mask is not None and _masked_on_the_cpu(query, attention_mask, options):
+        return _masked(query, key, value, attention_mask, options), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, nheads, headdim)
     if attention_mask is not None:
-        if _masked_on_the_cpu(q, attention_mask, options):
-            return _masked(q, k, v, attention_mask, options), None
         return _unpadded(q, k, v, attention_mask, options), None
     packed = _packed_from_kwargs(kwargs)
     if packed is None and q.shape[1] == k.shape[1] > 1:
@@ -167,30 +167,34 @@ def _with_4d_mask(query, key, value, mask, options):
     return out.transpose(1, 2)
 
 
-def _masked_on_the_cpu(q, padding_mask, options) -> bool:
-    """Whether a padded batch runs as one masked call (:func:`_masked`) rather than unpadded: on the
+def _masked_on_the_cpu(query, padding_mask, options) -> bool:
+    """Whether a padded batch (``query`` in transformers' layout (batch, nheads, seqlen, headdim)) runs as
+    one masked call (:func:`_masked`) rather than unpadded: on the
     "cpu" path, where one call of PyTorch's fused kernel with the padding as a mask beats gathering
     the batch (and the whole KV cache, at every decoding step) into a packed one; for plain
     attention, and under causality only with left padding (each row's tokens last), where the
     padded positions give each real token the same keys as the packed sequence does."""
-    if backend(q.device) != "cpu" or options["window_size"] != (-1, -1) or options["softcap"] or options["dropout_p"]:
+    if backend(query.device) != "cpu" or options["window_size"] != (-1, -1) or options["softcap"] \
+            or options["dropout_p"]:
         return False
-    if not options["causal"] or q.shape[1] == 1:  # a decoding step's one query sees every real key
+    if not options["causal"] or query.shape[2] == 1:  # a decoding step's one query sees every real key
         return True
     keep = padding_mask.bool()
     positions = torch.arange(keep.shape[1], device=keep.device)
     return bool((keep == (positions >= keep.shape[1] - keep.sum(1, keepdim=True))).all())
 
 
-def _masked(q, k, v, padding_mask, options):
-    """Attention of a padded batch with the padding as a key mask (and causality, bottom-right, in
-    the padded positions): ``flashtile.attention``, whose "cpu" path is PyTorch's fused kernel."""
+def _masked(query, key, value, padding_mask, options):
+    """Attention of a padded batch, given in transformers' layout (batch, nheads, seqlen, headdim), with
+    the padding as a key mask (and causality, bottom-right, in the padded positions):
+    ``flashtile.attention``, whose "cpu" path is PyTorch's fused kernel → (batch, seqlen_q, nheads, headdim_v)."""
     keep = padding_mask.bool()[:, None, None, :]  # [batch, 1, 1, seqlen_k]
-    k, v = k[:, :keep.shape[-1]], v[:, :keep.shape[-1]]  # a static KV cache has unused slots past the mask
-    if options["causal"] and q.shape[1] > 1:
-        keep = keep & reference.visible_mask(q.shape[1], keep.shape[-1], causal=True, device=q.device)
-    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
-                    scale=options["softmax_scale"], enable_gqa=True, learnable_sink=options["learnable_sink"])
+    seqlen_q, seqlen_k = query.shape[2], keep.shape[-1]
+    key, value = key[:, :, :seqlen_k], value[:, :, :seqlen_k]  # a static KV cache has unused slots past the mask
+    if options["causal"] and seqlen_q > 1:
+        keep = keep & reference.visible_mask(seqlen_q, seqlen_k, causal=True, device=query.device)
+    out = attention(query, key, value, attn_mask=keep, scale=options["softmax_scale"], enable_gqa=True,
+                    learnable_sink=options["learnable_sink"])
     return out.transpose(1, 2)
 
 
