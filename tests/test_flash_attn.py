@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
+import torch.utils.flop_counter
 import triton
 from helpers import (DEVICE, DTYPES, assert_accurate, check_flash_attn_func, make_inputs, references,
                      with_descriptor_loads)
@@ -52,14 +54,15 @@ def test_16_bit_calls_that_do_not_return_the_lse(backend, dtype, heads, causal):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
-@pytest.mark.parametrize("case", ["full", "causal", "gqa-full", "gqa-causal", "qkvpacked", "fp32-lse"])
+@pytest.mark.parametrize("case", ["full", "causal", "qkvpacked", "fp32-lse", "gqa-full", "gqa-causal"])
 def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
     # where PyTorch's fused CPU kernel computes a call both ways in the inputs' dtype, its own autograd node
     # takes the place of flashtile's Python Function (ops.differentiable): the same kernels on the same
-    # tensors, so the same bits
+    # tensors, so the same bits. Not for GQA, whose folded or repeated tensors PyTorch's node would keep
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     dtype = torch.float32 if case == "fp32-lse" else torch.bfloat16
-    q, k, v, do = make_inputs(2, 203, 203, 4, 2 if case.startswith("gqa") else 4, 64, dtype, seed=12)
+    gqa = case.startswith("gqa")
+    q, k, v, do = make_inputs(2, 203, 203, 4, 2 if gqa else 4, 64, dtype, seed=12)
     causal = case.endswith("causal")
 
     def run():
@@ -72,13 +75,31 @@ def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
         return out, torch.autograd.grad(out, (q, k, v), do)
 
     out, grads = run()
-    assert type(out.grad_fn).__name__ != "FlashAttnFunctionBackward"
+    assert (type(out.grad_fn).__name__ == "FlashAttnFunctionBackward") == gqa
     monkeypatch.setattr(flashtile.autograd, "differentiable", lambda *arguments: False)
     function_out, function_grads = run()
     assert type(function_out.grad_fn).__name__ == "FlashAttnFunctionBackward"
     assert torch.equal(out, function_out)
     for got, expected in zip(grads, function_grads):
-        assert torch.equal(got, expected)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_gradients_route_does_not_depend_on_modes(monkeypatch):
+    # a non-reentrant checkpoint recomputes the forward outside the mode (or profiler) that the first
+    # forward ran under and compares what the two saved: the route to PyTorch's autograd must not change
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do = make_inputs(1, 150, 150, 2, 2, 32, torch.bfloat16, seed=13)
+
+    def attend(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+    with torch.utils.flop_counter.FlopCounterMode(display=False):
+        out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    expected = torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
 
 
 @with_descriptor_loads

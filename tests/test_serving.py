@@ -12,6 +12,7 @@ Grids are small because the interpreter runs each program in numpy: ~30 s on 2 C
 import importlib.util
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -547,3 +548,14 @@ def test_paged_varlen_names_seqused_k_in_its_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"seqused_k\[1\]=17 \(\+ 0 new\) does not fit a cache of 16"):
         flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), None, 2, 17,
                                          block_table=block_table, seqused_k=too_long)
+
+
+@pytest.mark.parametrize("capability, by_ptx", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)],
+                         ids=["sm80", "sm86", "sm89", "sm90"])
+def test_float8_v_is_widened_by_ptx_only_where_the_instruction_exists(monkeypatch, capability, by_ptx):
+    # cvt.rn.f16x2.e4m3x2/e5m2x2 need sm_89: on an A100 or A10 (e5m2 caches work there) ptxas refuses the
+    # kernel with them, so those GPUs keep the tile's .to(); CPU tensors (the interpreter) keep it too
+    properties = types.SimpleNamespace(major=capability[0], minor=capability[1])
+    monkeypatch.setattr(launch, "cuda_properties", lambda device: properties)
+    assert launch._converts_float8_by_ptx(torch.device("cuda", 0)) == by_ptx
+    assert not launch._converts_float8_by_ptx(torch.device("cpu"))

@@ -244,24 +244,29 @@ fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
 
 
-def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """An eager call on plain tensors with data: not while torch.compile traces (checked first: Dynamo must
+def _plain_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Plain tensors with data, in an eager call: not while torch.compile traces (checked first: Dynamo must
     see the operator) or ``torch.jit.trace`` records (the trace must hold the operator, not the path one
-    call took), not on meta tensors (the operator's fake kernel gives their shapes), under a torch function
-    or dispatch mode (fake tensors, FlopCounterMode), a functorch transform, or a profiler, whose traces
-    name the operators."""
+    call took), not on meta tensors (the operator's fake kernel gives their shapes), not under a functorch
+    transform."""
     return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and type(k) is torch.Tensor
             and type(v) is torch.Tensor and not q.is_meta and not torch._C._get_tracing_state()
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active() and not torch._C._autograd._profiler_enabled())
+            and not torch._C._are_functorch_transforms_active())
+
+
+def _observed() -> bool:
+    """A torch function or dispatch mode (fake tensors, FlopCounterMode) or a profiler is active: they
+    see, and name, the operators."""
+    return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._autograd._profiler_enabled())
 
 
 def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a call on ``q``, ``k``, ``v`` may run its operator's kernel (``_forward``, ``_backward``, ...)
     without the dispatcher, which would only find that same kernel and costs ~4 µs of a CPU core per call
-    (~13 µs on an H100 host; benchmarks/NOTES.md, "Host time"): an eager call (:func:`_eager`) with no
-    gradient asked of q."""
-    return not (q.requires_grad and torch.is_grad_enabled()) and _eager(q, k, v)
+    (~13 µs on an H100 host; benchmarks/NOTES.md, "Host time"): a plain eager call (:func:`_plain_call`),
+    no gradient asked of q, nothing observing the operators (:func:`_observed`)."""
+    return not (q.requires_grad and torch.is_grad_enabled()) and _plain_call(q, k, v) and not _observed()
 
 
 def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: AttentionTensors,
@@ -272,8 +277,10 @@ def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: A
     Function would, with the same kernels, without that Function's host time and its copies of the
     gradients into buffers (benchmarks/NOTES.md, thirteenth session, "The CPU path: PyTorch's autograd
     where its kernel computes the call"). Not for calls with nothing to attend (PyTorch's kernel divides
-    by zero on empty inputs; the operator gives their zeros)."""
-    return (not uses_triton(q) and _eager(q, k, v) and not _attends_nothing(q, k, tensors)
+    by zero on empty inputs; the operator gives their zeros). Modes and profilers (:func:`_observed`) do
+    not change the answer: the graph a call records must not depend on them (a non-reentrant checkpoint
+    recomputes the forward without the mode the first forward ran under, and compares what both saved)."""
+    return (not uses_triton(q) and _plain_call(q, k, v) and not _attends_nothing(q, k, tensors)
             and cpu.differentiable_applies(q, k, v, options, tensors))
 
 

@@ -114,7 +114,7 @@ def kvcache_attn_fwd_kernel(
     ``KDescale[b, h]`` and ``VDescale[b, h]`` (strides ``stride_sb``, ``stride_sh``): the tiles are
     widened for the dots to float16 (each row of bfloat16 q divided by a power of two that fits it; q's
     own dtype for absorbed MLA's head dims beyond one chunk), the K scale folded into the score scale
-    and the V scale into the output. ``CONVERT_V_BY_PTX`` (float8 V widened to float16, on a GPU): V's
+    and the V scale into the output. ``CONVERT_V_BY_PTX`` (float8 V widened to float16, on sm_89 and later): V's
     widening is written as the PTX instruction (``_float8_to_float16``), which Triton does not move: with
     ``.to()`` it moved the conversion after a change to the dot operand's layout, which loads an 8-bit
     tile transposed one byte at a time (64 ``ld.shared.b8`` per thread per block in the sm_90a PTX); this

@@ -132,6 +132,16 @@ def _is_sm90(device: torch.device) -> bool:
     return (properties.major, properties.minor) == (9, 0)
 
 
+def _converts_float8_by_ptx(device: torch.device) -> bool:
+    """Whether the KV-cache kernel widens a float8 V tile by the PTX instruction (``CONVERT_V_BY_PTX``):
+    a GPU of sm_89 or later, whose PTX has ``cvt.rn.f16x2.e4m3x2``/``e5m2x2`` (earlier ones, where Triton
+    still converts e5m2, and the interpreter, on CPU tensors, keep ``.to()``)."""
+    if device.type != "cuda":
+        return False
+    properties = cuda_properties(device)
+    return (properties.major, properties.minor) >= (8, 9)
+
+
 def _plain(options: AttentionOptions, tensors: AttentionTensors) -> bool:
     """Full or causal attention without a bias, ALiBi, softcap, window, dropout or packed batches."""
     return (options.window in ((-1, -1), (-1, 0)) and options.softcap == 0 and options.dropout_p == 0
@@ -614,7 +624,7 @@ def _record_kvcache_attention(plan: plans.LaunchPlan, q, k_cache, v_cache, out_p
         window_left=options.window_left, window_right=options.window_right,
         IS_PAGED=paged, HAS_BATCH_IDX=cache_batch_idx is not None, IS_VARLEN_Q=varlen,
         HAS_LEFTPAD=cache_leftpad is not None, HAS_DESCALE=k_descale is not None,
-        CONVERT_V_BY_PTX=k_descale is not None and not _interpreter.interpreting(),
+        CONVERT_V_BY_PTX=k_descale is not None and _converts_float8_by_ptx(q.device),
         MASK_LEFT=options.window_left >= 0, MASK_RIGHT=options.window_right >= 0,
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINK=learnable_sink is not None,
         HEAD_DIM=head_dim, BLOCK_D=chunk, HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_v,
