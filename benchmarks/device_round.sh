@@ -22,10 +22,13 @@
 #                                             through plans (test_hopper, test_plans first), the float8 decode in
 #                                             float16 (its tests, then features_round's fp8-decode twice), then
 #                                             the host time per call of DIR's tree and of this one
+#   bash benchmarks/device_round.sh serving   issue 23's figures: the decode and serving tests, features_round's fp8-decode,
+#                                             paged-prefill and mixed-batch cases twice, and the float8 decode's spread
+#                                             over fresh caches (benchmarks/experiments/fp8_decode_variance.py)
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
 if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
-   && [ "$1" != verify ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR" >&2
+   && [ "$1" != verify ] && [ "$1" != serving ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -45,6 +48,18 @@ if [ "$1" = tests ]; then
 fi
 if [ "$1" = features ]; then
   timeout ${FEATURES_LIMIT:-470} python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
+  exit
+fi
+if [ "$1" = serving ]; then
+  timeout 150 python3 -m pytest -q -n 15 tests/test_decode.py tests/test_serving.py > $OUT/pytest.log 2>&1
+  grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -8
+  for i in 1 2; do
+    timeout 90 python3 benchmarks/features_round.py --cases fp8-decode paged-prefill mixed-batch \
+      --out $OUT/features$i.json > $OUT/features$i.log 2>&1
+    grep -E "of copy|paged-prefill|mixed" $OUT/features$i.log | tail -12
+  done
+  timeout 60 python3 benchmarks/experiments/fp8_decode_variance.py > $OUT/fp8_variance.log 2>&1
+  tail -8 $OUT/fp8_variance.log
   exit
 fi
 if [ "$1" = verify ]; then
