@@ -347,7 +347,7 @@ def attn_mask_to_bias(attn_mask, q, k):
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
     if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, -math.inf)
+        return torch.full(attn_mask.shape, -math.inf, dtype=q.dtype, device=q.device).masked_fill_(attn_mask, 0.0)
     if attn_mask.dtype not in FLOAT_DTYPES:
         raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32, got {attn_mask.dtype}")
     return attn_mask

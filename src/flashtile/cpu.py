@@ -136,15 +136,14 @@ class _Layout:
         self.group = self.nheads_q // self.nheads_k
         self.causal = _pytorch_causal(options, q.shape[1], k.shape[1])
         if bias is not None:  # as 4-D; PyTorch's kernel takes it in its own dtype (float32 here)
-            bias = bias.float().reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias = bias.float()
+            if bias.dim() < 4:
+                bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         # a bias that differs between query heads cannot follow their rows into a KV head's
         self.fold = self.group > 1 and not self.causal and (bias is None or bias.shape[1] == 1)
-        if self.fold and bias is not None:  # the same bias rows for each query head of a group
-            batch, seqlen_k = bias.shape[0], bias.shape[3]
-            bias = bias.expand(batch, 1, self.seqlen_q, seqlen_k).unsqueeze(2)
-            bias = bias.expand(batch, 1, self.group, self.seqlen_q, seqlen_k)
-            # contiguous: with the zero strides of the expand kept, PyTorch's kernel ran ~100x slower
-            bias = bias.reshape(batch, 1, self.group * self.seqlen_q, seqlen_k).contiguous()
+        if self.fold and bias is not None:  # the same bias rows for each query head of a group: row g·Nq + i
+            # a copy (repeat): with the zero strides of an expand kept, PyTorch's kernel ran ~100x slower
+            bias = bias.expand(bias.shape[0], 1, self.seqlen_q, bias.shape[3]).repeat(1, 1, self.group, 1)
         self.bias = bias
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -166,10 +165,12 @@ class _Layout:
         (the kernel lays its out as [B, rows, H, Dv] in memory: unfolded rows are a permutation of it)."""
         if not self.fold:
             return _as(out.transpose(1, 2), dtype).contiguous()
-        result = out.new_empty((self.batch, self.seqlen_q, self.nheads_q, out.shape[-1]), dtype=dtype)
         # [B, Hk, G·Nq, Dv] → [B, Nq, Hk, G, Dv]: query head h = hk·G + g
-        result.view(self.batch, self.seqlen_q, self.nheads_k, self.group, -1).copy_(
-            out.unflatten(2, (self.group, self.seqlen_q)).permute(0, 3, 1, 2, 4))
+        unfolded = out.unflatten(2, (self.group, self.seqlen_q)).permute(0, 3, 1, 2, 4)
+        if dtype == out.dtype:
+            return unfolded.reshape(self.batch, self.seqlen_q, self.nheads_q, -1)  # the one copy
+        result = out.new_empty((self.batch, self.seqlen_q, self.nheads_q, out.shape[-1]), dtype=dtype)
+        result.view(self.batch, self.seqlen_q, self.nheads_k, self.group, -1).copy_(unfolded)
         return result
 
     def fold_lse(self, lse: torch.Tensor) -> torch.Tensor:
