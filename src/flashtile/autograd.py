@@ -72,15 +72,13 @@ def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
     small call's launch (benchmarks/NOTES.md, "Host time")."""
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                  for t in (a, b, c, attn_bias, learnable_sink))
-    if wants_grad and uses_triton(a):
-        return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
-                                       cu_seqlens_k, learnable_sink, options)
-    q, k, v = unpack(layout, a, b, c)
-    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
-    if not wants_grad:
-        return call_fwd(q, k, v, tensors, options)
-    if differentiable(q, k, v, tensors, options):
-        return differentiable_fwd(q, k, v, tensors, options)
+    if not (wants_grad and uses_triton(a)):
+        q, k, v = unpack(layout, a, b, c)
+        tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
+                                   cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, learnable_sink)
+        if not wants_grad:
+            return call_fwd(q, k, v, tensors, options)
+        if differentiable(q, k, v, tensors, options):
+            return differentiable_fwd(q, k, v, tensors, options)
     return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
                                    cu_seqlens_k, learnable_sink, options)

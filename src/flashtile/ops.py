@@ -271,8 +271,9 @@ def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: AttentionTensors,
                    options: AttentionOptions) -> bool:
-    """Whether an eager call that wants gradients may leave them to PyTorch's own autograd: on the CPU path,
-    where PyTorch's fused kernel computes the call forward and backward in the inputs' dtype
+    """Whether an eager call on the CPU path (the caller has checked :func:`uses_triton`) that wants
+    gradients may leave them to PyTorch's own autograd: where PyTorch's fused kernel computes the call
+    forward and backward in the inputs' dtype
     (``cpu.differentiable_applies``), its C++ backward node does what ``flashtile.autograd``'s Python
     Function would, with the same kernels, without that Function's host time and its copies of the
     gradients into buffers (benchmarks/NOTES.md, thirteenth session, "The CPU path: PyTorch's autograd
@@ -280,7 +281,7 @@ def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: A
     by zero on empty inputs; the operator gives their zeros). Modes and profilers (:func:`_observed`) do
     not change the answer: the graph a call records must not depend on them (a non-reentrant checkpoint
     recomputes the forward without the mode the first forward ran under, and compares what both saved)."""
-    return (not uses_triton(q) and _plain_call(q, k, v) and not _attends_nothing(q, k, tensors)
+    return (_plain_call(q, k, v) and not _attends_nothing(q, k, tensors)
             and cpu.differentiable_applies(q, k, v, options, tensors))
 
 

@@ -118,28 +118,30 @@ def tma_usable(tensors: AttentionTensors, seqlen_q: int, seqlen_k: int, *tiles: 
         return False
     device = tiles[0].device
     if device.type == "cuda":
-        if cuda_properties(device).major < 9:
+        if _capability(device) < (9, 0):
             return False
     elif not _interpreter.interpreting():
         return False
     return _descriptor_compatible(*tiles)
 
 
-def _is_sm90(device: torch.device) -> bool:
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability (major, minor); (0, 0) for tensors off a GPU."""
     if device.type != "cuda":
-        return False
+        return 0, 0
     properties = cuda_properties(device)
-    return (properties.major, properties.minor) == (9, 0)
+    return properties.major, properties.minor
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return _capability(device) == (9, 0)
 
 
 def _converts_float8_by_ptx(device: torch.device) -> bool:
     """Whether the KV-cache kernel widens a float8 V tile by the PTX instruction (``CONVERT_V_BY_PTX``):
     a GPU of sm_89 or later, whose PTX has ``cvt.rn.f16x2.e4m3x2``/``e5m2x2`` (earlier ones, where Triton
     still converts e5m2, and the interpreter, on CPU tensors, keep ``.to()``)."""
-    if device.type != "cuda":
-        return False
-    properties = cuda_properties(device)
-    return (properties.major, properties.minor) >= (8, 9)
+    return _capability(device) >= (8, 9)
 
 
 def _plain(options: AttentionOptions, tensors: AttentionTensors) -> bool:
