@@ -169,6 +169,25 @@ def test_cpu_path_runs_left_padded_batches_as_one_masked_call(monkeypatch, train
         assert torch.equal(*generated)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_path_generates_with_a_static_cache(monkeypatch):
+    # a static cache hands every layer its whole length, past the padding mask: the masked call attends to
+    # the mask's keys only (a dynamic cache's keys are the mask's, and are passed on unsliced)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lengths = []
+    masked = integration._masked
+    monkeypatch.setattr(integration, "_masked", lambda query, key, value, mask, options: lengths.append(
+        (key.shape[2], mask.shape[1])) or masked(query, key, value, mask, options))
+    sdpa, tile = models("llama")
+    ids = random_ids(3, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    generated = [model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                cache_implementation="static") for model in (sdpa, tile)]
+    assert any(keys > mask_length for keys, mask_length in lengths)
+    assert torch.equal(*generated)
+
+
 def test_4d_boolean_mask_matches_sdpa():
     """A user's 4-D mask reaches the attention as is; flashtile.attention applies it."""
     sdpa, tile = models("llama")

@@ -183,6 +183,32 @@ def test_attn_mask_matches_torch_sdpa(backend):
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_gqa_padding_mask_reaches_the_kernel_unrepeated(monkeypatch):
+    # the CPU path folds each GQA group's query heads into the rows of its KV head (cpu._Layout); a mask of
+    # one row (a key-padding mask, as transformers' decoding steps pass) is broadcast over the folded rows
+    # by PyTorch's kernel itself: no copy of it per call, and the same bits as the same mask written out
+    # row by row, which is repeated over the group. Batch entry 1 sees no key at all.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, do = make_inputs(2, 3, 40, 8, 2, 32, torch.float32, seed=31)
+    padding = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    padding[0, ..., :15] = False
+    padding[1] = False
+
+    def run(mask):
+        out = flashtile.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                  enable_gqa=True)
+        return out, torch.autograd.grad(out, (q, k, v), do.transpose(1, 2))
+
+    with torch.profiler.profile() as profile:
+        out, grads = run(padding)
+    assert "aten::repeat" not in {event.name for event in profile.events()}
+    expected_out, expected_grads = run(padding.expand(2, 1, 3, 40).contiguous())
+    assert torch.equal(out, expected_out) and (out[1] == 0).all()
+    for got, expected in zip(grads, expected_grads):
+        assert torch.equal(got, expected)
+
+
 # ----------------------------------------------------------------------------------------------
 # Dropout
 

@@ -62,17 +62,18 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     The kernel needs v's head dim to be q's."""
     if v.shape[-1] != q.shape[-1]:
         return False
-    variants = (tensors.alibi_slopes, tensors.dropout_seed, tensors.learnable_sink)
-    if any(t is not None for t in variants) or options.softcap != 0 or options.dropout_p != 0:
-        return False
-    if tensors.attn_bias is not None and (bias_grad or tensors.is_varlen
-                                          or _pytorch_causal(options, q.shape[1], k.shape[1]) is not False):
-        # with a causal mask on top, a row that the bias leaves without a visible key would not be
-        # told apart from one the bias empties (see fused_attention_forward's log-sum-exp)
+    # spelled out, not any() over a generator: this runs on every call
+    if (tensors.alibi_slopes is not None or tensors.dropout_seed is not None or tensors.learnable_sink is not None
+            or options.softcap != 0 or options.dropout_p != 0):
         return False
     if tensors.is_varlen:
-        return options.window in ((-1, -1), (-1, 0))
-    return _pytorch_causal(options, q.shape[1], k.shape[1]) is not None
+        return tensors.attn_bias is None and options.window in ((-1, -1), (-1, 0))
+    causal = _pytorch_causal(options, q.shape[1], k.shape[1])
+    if tensors.attn_bias is not None:
+        # with a causal mask on top, a row that the bias leaves without a visible key would not be
+        # told apart from one the bias empties (see fused_attention_forward's log-sum-exp)
+        return not bias_grad and causal is False
+    return causal is not None
 
 
 # Up to this many queries and keys, PyTorch's 16-bit CPU backward costs more than its float32 one with
@@ -141,8 +142,11 @@ class _Layout:
                 bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         # a bias that differs between query heads cannot follow their rows into a KV head's
         self.fold = self.group > 1 and not self.causal and (bias is None or bias.shape[1] == 1)
-        if self.fold and bias is not None:  # the same bias rows for each query head of a group: row g·Nq + i
-            # a copy (repeat): with the zero strides of an expand kept, PyTorch's kernel ran ~100x slower
+        if self.fold and bias is not None and bias.shape[2] > 1:  # each query head of a group: row g·Nq + i
+            # a copy (repeat): with the zero strides of an expand kept, PyTorch's kernel ran ~100x slower. A
+            # bias of one row (a padding mask) needs none: the kernel broadcasts a size-1 row dim over every
+            # folded row, at the repeated copy's speed (a decoding step at 4×8:2×1×150, float32: the repeat ~15 µs,
+            # the kernel ~24)
             bias = bias.expand(bias.shape[0], 1, self.seqlen_q, bias.shape[3]).repeat(1, 1, self.group, 1)
         self.bias = bias
 

@@ -61,7 +61,7 @@ import torch
 
 from .. import reference
 from ..interface import attention, flash_attn_func, flash_attn_varlen_func
-from ..ops import backend
+from ..ops import uses_triton
 
 DEFAULT_NAME = "tile_attention"
 _INSTALL_HINT = "install it with: pip install 'transformers>=4.53'"
@@ -174,7 +174,7 @@ def _masked_on_the_cpu(query, padding_mask, options) -> bool:
     the batch (and the whole KV cache, at every decoding step) into a packed one; for plain
     attention, and under causality only with left padding (each row's tokens last), where the
     padded positions give each real token the same keys as the packed sequence does."""
-    if backend(query.device) != "cpu" or options["window_size"] != (-1, -1) or options["softcap"] \
+    if uses_triton(query) or options["window_size"] != (-1, -1) or options["softcap"] \
             or options["dropout_p"]:
         return False
     if not options["causal"] or query.shape[2] == 1:  # a decoding step's one query sees every real key
@@ -188,9 +188,11 @@ def _masked(query, key, value, padding_mask, options):
     """Attention of a padded batch, given in transformers' layout (batch, nheads, seqlen, headdim), with
     the padding as a key mask (and causality, bottom-right, in the padded positions):
     ``flashtile.attention``, whose "cpu" path is PyTorch's fused kernel → (batch, seqlen_q, nheads, headdim_v)."""
-    keep = padding_mask.bool()[:, None, None, :]  # [batch, 1, 1, seqlen_k]
-    seqlen_q, seqlen_k = query.shape[2], keep.shape[-1]
-    key, value = key[:, :, :seqlen_k], value[:, :, :seqlen_k]  # a static KV cache has unused slots past the mask
+    batch, seqlen_k = padding_mask.shape
+    keep = padding_mask.bool().reshape(batch, 1, 1, seqlen_k)
+    seqlen_q = query.shape[2]
+    if key.shape[2] != seqlen_k:  # a static KV cache has unused slots past the mask (a dynamic one has none)
+        key, value = key[:, :, :seqlen_k], value[:, :, :seqlen_k]
     if options["causal"] and seqlen_q > 1:
         keep = keep & reference.visible_mask(seqlen_q, seqlen_k, causal=True, device=query.device)
     out = attention(query, key, value, attn_mask=keep, scale=options["softmax_scale"], enable_gqa=True,
