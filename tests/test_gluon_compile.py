@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kerne
 
 SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
 CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
-         for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "bwd_preprocess-d64-full",
+         for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
+                                            "fwd_persistent-d128-full", "bwd_preprocess-d64-full",
                                             "bwd_preprocess-d128-full"]
 
 
@@ -67,14 +68,14 @@ def _compile(case: str):
     stats = torch.empty(2, 4, 1024)
     accum = torch.empty(2, 4, 1024, head_dim)
     descriptor = sm90_fwd.descriptor
-    if kernel in ("fwd", "fwd_sink"):
+    if kernel in ("fwd", "fwd_sink", "fwd_persistent"):
         return sm90_fwd._attn_fwd_sm90_kernel.warmup(
             q_desc=descriptor(q, sm90_fwd.ROWS), k_desc=descriptor(q, sm90_fwd.BLOCK_N),
             v_desc=descriptor(q, sm90_fwd.BLOCK_N), o_desc=descriptor(q, sm90_fwd.ROWS), Lse=stats,
-            stride_lb=stats.stride(0), stride_lh=stats.stride(1), Sinks=torch.empty(4), group_size=1,
+            stride_lb=stats.stride(0), stride_lh=stats.stride(1), Sinks=torch.empty(4), batch=2, nheads_q=4, group_size=1,
             seqlen_q=1000, seqlen_k=1000, qk_scale=0.1, CAUSAL=causal, NUM_CONSUMERS=sm90_fwd.CONSUMERS[head_dim],
             ROWS=sm90_fwd.ROWS, BLOCK_N=sm90_fwd.BLOCK_N, HEAD_DIM=head_dim, NUM_STAGES=sm90_fwd.NUM_STAGES,
-            HAS_SINK=kernel == "fwd_sink", num_warps=4, grid=(1, ),
+            HAS_SINK=kernel == "fwd_sink", PERSISTENT=kernel == "fwd_persistent", num_warps=4, grid=(1, ),
         )
     if kernel == "bwd_preprocess":
         return sm90_bwd._bwd_preprocess_kernel.warmup(

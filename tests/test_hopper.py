@@ -168,6 +168,31 @@ def test_gluon_forward_fully_masked_rows(gluon_calls):
 
 
 @on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (1000, 300), (300, 1000)], ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
+def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_dim, seqlens, causal, sink):
+    # a persistent grid of 3 CTAs, causal ones included: each walks tens of tiles of every length (causal
+    # q1000-k300: tiles that see no key between ones that do), its K/V ring, Q and O buffers and barriers'
+    # phases running on across them; the backward takes the forward's LSE
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda causal, seqlen_k: True)
+    monkeypatch.setattr(sm90_fwd, "programs", lambda tiles, device: min(tiles, 3))
+    q, k, v, do = make_inputs(3, *seqlens, 16, 4, head_dim, torch.bfloat16, seed=16)
+    learnable_sink = torch.linspace(-4.0, 4.0, 16, device=DEVICE).requires_grad_() if sink else None
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, learnable_sink=learnable_sink,
+                                            return_attn_probs=True)
+    inputs = (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
+    grads = torch.autograd.grad(out, inputs, do)
+    assert gluon_calls
+    ref64, ref_lowp = references(q, k, v, do, causal=causal, learnable_sink=learnable_sink)
+    assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
+    torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
+    for name, got, r64, rlow in zip(("dq", "dk", "dv", "dsink"), grads, ref64[2:], ref_lowp[2:]):
+        assert_accurate(name, got, r64, rlow, factor=3)
+
+
+@on_sm90
 def test_gluon_forward_strided_inputs(gluon_calls):
     # q, k, v as views into one (batch, seqlen, 3, nheads, headdim) tensor
     g = torch.Generator().manual_seed(14)

@@ -5,10 +5,16 @@ warpgroups take turns at the matmuls and the softmax, so the tensor cores idle w
 (benchmarks/NOTES.md, "The profile"). Gluon (``triton.experimental.gluon``, in Triton 3.6) exposes
 the pieces, still in Python:
 
-* one CTA per block of 64·c query rows (one program per (Q block, head, batch), as in ``flashtile.triton.attention``), split
-  into partitions of warps that share K/V tiles in shared memory:
-  - a **producer warp** moves Q once, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with
-    the tensor copy engine (TMA), each buffer guarded by a "ready" and an "empty" mbarrier;
+* the work is cut into tiles of 64·c query rows of one head. A CTA takes one tile, or, for full
+  attention over at most ``PERSISTENT_MAX_KEYS`` keys, the grid is **persistent**: one CTA per SM
+  walks a strided share of the tiles, so that a short tile's Q load and O store, which a CTA of one
+  tile leaves exposed, overlap the previous and next tiles' work (``persistent`` says where it
+  measured faster). The CTA is split into partitions of warps that share K/V tiles in shared memory:
+  - a **producer warp** moves a tile's Q once the consumers have finished the previous tile's QKᵀ
+    matmuls, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with the tensor copy engine
+    (TMA), each buffer guarded by a "ready" and an "empty" mbarrier. The ring runs on across tiles,
+    so that the next tile's Q and first K/V blocks load under this tile's last blocks; a persistent
+    CTA's O leaves through a staging buffer of its own, under the next tile's main loop;
   - **c consumer warpgroups** (``CONSUMERS``: three at head dim 64, two at 128), 64 query rows
     each, run the online softmax (base 2, log2 e folded into the scale) with ``wgmma``, and
     ``setmaxnreg`` gives them the registers the producer does not need;
@@ -21,7 +27,8 @@ the pieces, still in Python:
   max M (scaled, base 2), sum ℓ and unnormalised output acc, and the sink's logit σ in base 2,
   ``μ = max(M, σ)``, ``den = ℓ·2^(M−μ) + 2^(σ−μ)``, ``o = acc·2^(M−μ) / den``,
   ``LSE = (μ + log2 den)·ln 2``: the same mass as starting the online softmax at (σ, 1), and no work in the main loop;
-* causal programs run longest first (reversed Q-block order); only blocks that cross the diagonal
+* a head's tiles run side by side (sharing its K/V in L2), causal ones longest first (reversed
+  Q-block order); only blocks that cross the diagonal
   or the end of the keys pay for masking. Visibility is the causal case of the one rule of
   ``flashtile.triton.scores`` (key ``j`` visible to query ``i`` iff ``j ≤ i + Nk − Nq``), written
   again here in Gluon's language because a Gluon kernel cannot call Triton functions.
@@ -55,6 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ..triton import plans
+from ..triton._host import cuda_properties
 
 
 # Consumer warpgroups per CTA, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md v0.5: three
@@ -63,6 +71,11 @@ from ..triton import plans
 # 64, measured no faster).
 CONSUMERS = {64: 3, 128: 2}
 ROWS, BLOCK_N, NUM_STAGES = 64, 128, 2
+# The longest key range a persistent grid runs (see ``persistent``). H100, kernels in CUDA graphs, bf16, full
+# attention at 16384 tokens, the persistent grid against a CTA per tile of the same kernel, two runs:
+# head dim 128 1.10-1.11x at N = 512, 1.04-1.05x at 1024, 1.00-1.02x at 2048, 0.97-1.01x at 4096,
+# 0.97-0.99x at 8192, 0.86-0.98x at 16384; head dim 64 1.08x, 1.03-1.04x, 1.00x, then 0.92-0.99x.
+PERSISTENT_MAX_KEYS = 2048
 
 
 @aggregate
@@ -76,9 +89,10 @@ class _Tiling:
     HEAD_DIM: gl.constexpr
     NUM_STAGES: gl.constexpr
     HAS_SINK: gl.constexpr
+    PERSISTENT: gl.constexpr  # a CTA per SM walking many tiles, else a CTA per tile
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK):
+    def __init__(self, CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK, PERSISTENT):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.NUM_CONSUMERS = gl.constexpr(NUM_CONSUMERS)
         self.ROWS = gl.constexpr(ROWS)
@@ -86,33 +100,91 @@ class _Tiling:
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.HAS_SINK = gl.constexpr(HAS_SINK)
+        self.PERSISTENT = gl.constexpr(PERSISTENT)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              i_b, i_hq, i_hk, row_start, n_blocks, tiling):
-    """One warp: each consumer's Q rows once, then the K/V ring, a buffer refilled once every consumer
-    freed it."""
+def _num_tiles(batch, nheads_q, seqlen_q, tiling):
+    """Tiles of the whole call: one per block of NUM_CONSUMERS·ROWS query rows of one head."""
+    return gl.cdiv(seqlen_q, tiling.NUM_CONSUMERS * tiling.ROWS) * nheads_q * batch
+
+
+@gluon.jit
+def _tile_coords(tile, nheads_q, seqlen_q, tiling):
+    """Tile index → (batch, query head, first row): a head's blocks side by side, sharing its K/V in
+    L2, causal ones longest first (the last query blocks see the most keys). Ordering the causal tiles
+    longest first over the whole call instead (heads interleaved) measured 20-30% slower: the K/V reuse
+    in L2 is worth more than the balance (benchmarks/NOTES.md, fourteenth session)."""
+    BLOCK_M: gl.constexpr = tiling.NUM_CONSUMERS * tiling.ROWS
+    m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+    i_m = tile % m_blocks
+    if tiling.CAUSAL:
+        i_m = m_blocks - 1 - i_m
+    i_bh = tile // m_blocks
+    return i_bh // nheads_q, i_bh % nheads_q, i_m * BLOCK_M
+
+
+@gluon.jit
+def _key_range(row_start, seqlen_q, seqlen_k, tiling):
+    """→ (K/V blocks the tile's rows see, the first key from which a block needs masking)."""
+    BLOCK_M: gl.constexpr = tiling.NUM_CONSUMERS * tiling.ROWS
+    BLOCK_N: gl.constexpr = tiling.BLOCK_N
+    if tiling.CAUSAL:
+        diagonal = seqlen_k - seqlen_q  # bottom-right alignment
+        last_row = gl.minimum(row_start + BLOCK_M, seqlen_q) - 1
+        keys_end = gl.maximum(gl.minimum(seqlen_k, last_row + diagonal + 1), 0)
+        unmasked_hi = gl.maximum(gl.minimum(row_start + diagonal + 1, seqlen_k), 0) // BLOCK_N * BLOCK_N
+    else:
+        keys_end = seqlen_k
+        unmasked_hi = seqlen_k // BLOCK_N * BLOCK_N
+    return gl.cdiv(keys_end, BLOCK_N), unmasked_hi
+
+
+@gluon.jit
+def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                  tile, blocks_done, tile_iter, nheads_q, group_size, seqlen_q, seqlen_k, tiling):
+    """One tile's loads: every consumer's Q rows once the consumers are done with the previous tile's,
+    then its K/V blocks into the ring from position ``blocks_done``. → the ring's position after them."""
     BLOCK_N: gl.constexpr = tiling.BLOCK_N
     NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
-    mbarrier.expect(q_bar, tiling.NUM_CONSUMERS * q_desc.block_type.nbytes)
+    i_b, i_hq, row_start = _tile_coords(tile, nheads_q, seqlen_q, tiling)
+    n_blocks, _ = _key_range(row_start, seqlen_q, seqlen_k, tiling)
+    i_hk = i_hq // group_size
+    # a fresh mbarrier counts the phase before its first as complete: the first lap passes
+    mbarrier.wait(q_empty, (tile_iter & 1) ^ 1)
+    mbarrier.expect(q_ready, tiling.NUM_CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(tiling.NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [i_b, row_start + c * tiling.ROWS, i_hq, 0], q_bar, q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [i_b, row_start + c * tiling.ROWS, i_hq, 0], q_ready, q_smem.index(c))
     for j in range(n_blocks):
-        stage = j % NUM_STAGES
-        # a fresh mbarrier counts the phase before its first as complete: the first lap passes
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        stage = (blocks_done + j) % NUM_STAGES
+        free_phase = (((blocks_done + j) // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), free_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [i_b, j * BLOCK_N, i_hk, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), free_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [i_b, j * BLOCK_N, i_hk, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [i_b, j * BLOCK_N, i_hk, 0], v_ready.index(stage), v_smem.index(stage))
+    return blocks_done + n_blocks
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              batch, nheads_q, group_size, seqlen_q, seqlen_k, tiling):
+    """One warp: the loads of the CTA's tiles. The ring runs on across tiles, so that a persistent CTA's
+    next tile's Q and first blocks load under this one's last."""
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    shape = (nheads_q, group_size, seqlen_q, seqlen_k, tiling)
+    if tiling.PERSISTENT:
+        blocks_done = 0  # K/V blocks this CTA has loaded: the ring's position
+        tile_iter = 0
+        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
+            blocks_done = _produce_tile(*loads, tile, blocks_done, tile_iter, *shape)
+            tile_iter += 1
+    else:
+        _produce_tile(*loads, gl.program_id(0), 0, 0, *shape)
 
 
 @gluon.jit
@@ -136,10 +208,12 @@ def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diagonal, qk_scale, un
 
 
 @gluon.jit
-def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              o_desc, Lse, stride_lb, stride_lh, Sinks, i_b, i_hq, row_start, n_blocks, unmasked_hi,
-              seqlen_q, seqlen_k, diagonal, qk_scale, tiling):
-    """One warpgroup: query rows [row_start + which·ROWS, +ROWS) against every K/V block."""
+def _consume_tile(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
+                  Lse, stride_lb, stride_lh, Sinks, tile, blocks_done, tile_iter, nheads_q, seqlen_q, seqlen_k, qk_scale,
+                  tiling):
+    """One tile: query rows [row_start + which·ROWS, +ROWS) against every K/V block they see, from ring
+    position ``blocks_done``; O staged in shared memory and stored by the copy engine, which the caller
+    waits for. → the ring's position after the tile."""
     CAUSAL: gl.constexpr = tiling.CAUSAL
     ROWS: gl.constexpr = tiling.ROWS
     BLOCK_N: gl.constexpr = tiling.BLOCK_N
@@ -151,31 +225,36 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
+    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
+    q = q_smem.index(which).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
+    o_tile = o_smem.index(which)
+    s_unused = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # use_acc=False ignores it
 
+    i_b, i_hq, row_start = _tile_coords(tile, nheads_q, seqlen_q, tiling)
+    n_blocks, unmasked_hi = _key_range(row_start, seqlen_q, seqlen_k, tiling)
     my_start = row_start + which * ROWS
     rows = my_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    q = q_smem.index(which).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_unused = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # use_acc=False ignores it
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_ready, tile_iter & 1)
 
     if n_blocks > 0:
         # -- block 0: S_0 alone
-        mbarrier.wait(k_ready.index(0), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+        first = blocks_done % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (blocks_done // NUM_STAGES) & 1)
+        k_t = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
         s_token = warpgroup_mma(q, k_t, s_unused, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_token, ))  # [ROWS, BLOCK_N]
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(first))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, 0, seqlen_k, diagonal, qk_scale, unmasked_hi,
                                              CAUSAL, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)  # [ROWS, BLOCK_N], registers: wgmma's A
         for j in range(1, n_blocks):
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            stage = (blocks_done + j) % NUM_STAGES
+            prev = (blocks_done + j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), ((blocks_done + j) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((blocks_done + j - 1) // NUM_STAGES) & 1)
             k_t = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
             # -- S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} in flight together; S_j completes first
@@ -191,12 +270,16 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
             # -- rescale the unnormalised output to the new row maxima
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # every S matmul of the tile has completed: the producer may load the next tile's Q
+        mbarrier.arrive(q_empty)
         # -- the last block's PV
-        last = (n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        last = (blocks_done + n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((blocks_done + n_blocks - 1) // NUM_STAGES) & 1)
         o_token = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(o_token, p_op))
         mbarrier.arrive(v_empty.index(last))
+    else:
+        mbarrier.arrive(q_empty)
 
     if tiling.HAS_SINK:  # the sink's mass joins the denominator (module docstring); a row with no key: o = 0, LSE = σ
         sink2 = gl.load(Sinks + i_hq) * 1.4426950408889634  # [], base 2
@@ -211,59 +294,69 @@ def _consumer(which, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v
         out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # * ln 2
     gl.store(Lse + i_b * stride_lb + i_hq * stride_lh + rows, lse, mask=rows < seqlen_q)
-    # every S matmul has completed, so Q's tile is free to stage O for the copy engine,
-    # which clips the rows past seqlen_q
-    o_tile = q_smem.index(which)
+    # O is staged for the copy engine, which clips the rows past seqlen_q: in a persistent CTA through
+    # its own buffer, so that the store runs under the next tile's main loop, the buffer rewritten once
+    # the previous store has read it; in a CTA of one tile through Q's, free after the last QKᵀ
+    tma.store_wait(0)
     o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [i_b, my_start, i_hq, 0], o_tile)
+    return blocks_done + n_blocks
+
+
+@gluon.jit
+def _consumer(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              o_desc, Lse, stride_lb, stride_lh, Sinks, batch, nheads_q, seqlen_q, seqlen_k, qk_scale, tiling):
+    """One warpgroup: the CTA's tiles, in the producer's order."""
+    buffers = (which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
+               Lse, stride_lb, stride_lh, Sinks)
+    shape = (nheads_q, seqlen_q, seqlen_k, qk_scale, tiling)
+    if tiling.PERSISTENT:
+        blocks_done = 0  # K/V blocks this CTA has consumed: the ring's position, as the producer's
+        tile_iter = 0
+        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
+            blocks_done = _consume_tile(*buffers, tile, blocks_done, tile_iter, *shape)
+            tile_iter += 1
+    else:
+        _consume_tile(*buffers, gl.program_id(0), 0, 0, *shape)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, Sinks,
-                          group_size, seqlen_q, seqlen_k, qk_scale,
+                          batch, nheads_q, group_size, seqlen_q, seqlen_k, qk_scale,
                           CAUSAL: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                          HAS_SINK: gl.constexpr):
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS
-    i_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest first under causal masking
-    i_hq = gl.program_id(1)
-    i_b = gl.program_id(2)
-    i_hk = i_hq // group_size
-    row_start = i_m * BLOCK_M
-    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
-    if CAUSAL:
-        last_row = gl.minimum(row_start + BLOCK_M, seqlen_q) - 1
-        keys_end = gl.maximum(gl.minimum(seqlen_k, last_row + diagonal + 1), 0)
-        unmasked_hi = gl.maximum(gl.minimum(row_start + diagonal + 1, seqlen_k), 0) // BLOCK_N * BLOCK_N
-    else:
-        keys_end = seqlen_k
-        unmasked_hi = seqlen_k // BLOCK_N * BLOCK_N
-    n_blocks = gl.cdiv(keys_end, BLOCK_N)
-
+                          HAS_SINK: gl.constexpr, PERSISTENT: gl.constexpr):
+    # each CTA takes the tiles program_id, program_id + num_programs, ... (_tile_coords): one tile, unless PERSISTENT
     dtype: gl.constexpr = q_desc.dtype
     # tiles keep the descriptors' [1, rows, 1, HEAD_DIM] boxes; the consumers view them as 2-D
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    if PERSISTENT:  # O leaves through its own buffer, under the next tile's main loop
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
+    else:  # the CTA's one tile is done with Q when O is staged: its buffer serves (24-32 KiB less shared memory)
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=NUM_CONSUMERS)  # every consumer is done with the tile's Q
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # every consumer releases a buffer
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
-    tiling = _Tiling(CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK)
-    consumer = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, Lse, stride_lb, stride_lh,
-                Sinks, i_b, i_hq, row_start, n_blocks, unmasked_hi, seqlen_q, seqlen_k, diagonal, qk_scale, tiling)
-    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                i_b, i_hq, i_hk, row_start, n_blocks, tiling)
+    tiling = _Tiling(CAUSAL, NUM_CONSUMERS, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, HAS_SINK, PERSISTENT)
+    consumer = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, Lse,
+                stride_lb, stride_lh, Sinks, batch, nheads_q, seqlen_q, seqlen_k, qk_scale, tiling)
+    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                batch, nheads_q, group_size, seqlen_q, seqlen_k, tiling)
     # the kernel's own 4 warps are consumer 0; setmaxnreg shares the 64K registers (the producer
     # keeps 24 a thread, the consumers split the rest)
     if NUM_CONSUMERS == 3:
@@ -295,13 +388,27 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     num_consumers = CONSUMERS[head_dim]
-    grid = (-(-seqlen_q // (num_consumers * ROWS)), nheads_q, batch)  # ceil division on Python ints
+    tiles = -(-seqlen_q // (num_consumers * ROWS)) * nheads_q * batch  # ceil division on Python ints
+    walks = persistent(causal, seqlen_k)
     plans.launch(
-        plan, _attn_fwd_sm90_kernel, grid,
+        plan, _attn_fwd_sm90_kernel, (programs(tiles, q.device) if walks else tiles, ),
         q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        Sinks=lse if learnable_sink is None else learnable_sink, group_size=nheads_q // nheads_k,
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
+        Sinks=lse if learnable_sink is None else learnable_sink, batch=batch, nheads_q=nheads_q,
+        group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
         CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, num_warps=4,
+        NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, PERSISTENT=walks, num_warps=4,
     )
+
+
+def persistent(causal: bool, seqlen_k: int) -> bool:
+    """Whether the grid is persistent: for full attention over at most ``PERSISTENT_MAX_KEYS`` keys, where a
+    tile's few key blocks left its Q load and O store exposed. Longer tiles gained nothing, and causal
+    tiles of unequal lengths need the hardware's dynamic scheduling of a CTA per tile, since a static
+    stride over them leaves some CTAs twice the work of others (benchmarks/NOTES.md, fourteenth session)."""
+    return not causal and seqlen_k <= PERSISTENT_MAX_KEYS
+
+
+def programs(tiles: int, device: torch.device) -> int:
+    """The persistent grid: one CTA per SM (the shared memory of one fills an SM), fewer for fewer tiles."""
+    return min(tiles, cuda_properties(device).multi_processor_count)
