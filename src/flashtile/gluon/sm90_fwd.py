@@ -144,6 +144,21 @@ def _key_range(row_start, seqlen_q, seqlen_k, tiling):
 
 
 @gluon.jit
+def _walk_tiles(work: gl.constexpr, args, shape, batch, nheads_q, seqlen_q, tiling):
+    """``work(*args, tile, blocks_done, tile_iter, *shape)`` for each of the CTA's tiles, in the same order in
+    every partition: ``blocks_done`` is the K/V ring's position, which ``work`` returns advanced past the
+    tile's blocks, and ``tile_iter`` counts the CTA's tiles (the Q buffer's phases)."""
+    if tiling.PERSISTENT:
+        blocks_done = 0
+        tile_iter = 0
+        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
+            blocks_done = work(*args, tile, blocks_done, tile_iter, *shape)
+            tile_iter += 1
+    else:
+        work(*args, gl.program_id(0), 0, 0, *shape)
+
+
+@gluon.jit
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                   tile, blocks_done, tile_iter, nheads_q, group_size, seqlen_q, seqlen_k, tiling):
     """One tile's loads: every consumer's Q rows once the consumers are done with the previous tile's,
@@ -176,15 +191,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     """One warp: the loads of the CTA's tiles. The ring runs on across tiles, so that a persistent CTA's
     next tile's Q and first blocks load under this one's last."""
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-    shape = (nheads_q, group_size, seqlen_q, seqlen_k, tiling)
-    if tiling.PERSISTENT:
-        blocks_done = 0  # K/V blocks this CTA has loaded: the ring's position
-        tile_iter = 0
-        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
-            blocks_done = _produce_tile(*loads, tile, blocks_done, tile_iter, *shape)
-            tile_iter += 1
-    else:
-        _produce_tile(*loads, gl.program_id(0), 0, 0, *shape)
+    _walk_tiles(_produce_tile, loads, (nheads_q, group_size, seqlen_q, seqlen_k, tiling), batch, nheads_q, seqlen_q,
+                tiling)
 
 
 @gluon.jit
@@ -310,15 +318,8 @@ def _consumer(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, 
     """One warpgroup: the CTA's tiles, in the producer's order."""
     buffers = (which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                Lse, stride_lb, stride_lh, Sinks)
-    shape = (nheads_q, seqlen_q, seqlen_k, qk_scale, tiling)
-    if tiling.PERSISTENT:
-        blocks_done = 0  # K/V blocks this CTA has consumed: the ring's position, as the producer's
-        tile_iter = 0
-        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
-            blocks_done = _consume_tile(*buffers, tile, blocks_done, tile_iter, *shape)
-            tile_iter += 1
-    else:
-        _consume_tile(*buffers, gl.program_id(0), 0, 0, *shape)
+    _walk_tiles(_consume_tile, buffers, (nheads_q, seqlen_q, seqlen_k, qk_scale, tiling), batch, nheads_q, seqlen_q,
+                tiling)
     tma.store_wait(0)
 
 
