@@ -67,6 +67,45 @@ def test_compile_fullgraph_forward_backward(backend, varlen):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("heads, causal", [((4, 2), False), ((4, 4), True)], ids=["gqa-full", "mha-causal"])
+def test_compile_fullgraph_on_the_cpu_path(monkeypatch, heads, causal):
+    # calls that PyTorch's fused CPU kernel computes (the suite's other compile tests run the Triton kernels in
+    # the interpreter): its results keep the strides that the operators' fake implementations declare, which
+    # inductor asserts (the GQA fold's output and the kernel's log-sum-exp were strided views)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, heads[0], 16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 9, heads[1], 16, generator=g).requires_grad_() for _ in range(2))
+
+    def attention(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
+
+    results = []
+    for run in (torch.compile(attention, fullgraph=True), attention):
+        out, lse = run(q, k, v)
+        results.append((out, lse, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_compile_fullgraph_with_one_tensor_as_q_k_and_v():
+    # self-attention on one tensor: Dynamo refuses an autograd.Function given one tensor twice
+    torch._dynamo.reset()
+    x = torch.randn(2, 9, 4, 16, device=DEVICE, requires_grad=True)
+
+    def attention(x):
+        return flashtile.flash_attn_func(x, x, x, softcap=3.0)
+
+    results = []
+    for run in (torch.compile(attention, fullgraph=True, backend="aot_eager"), attention):
+        out = run(x)
+        results.append((out, torch.autograd.grad(out.square().sum(), x)[0]))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
 def test_ops_have_fake_implementations():
     q = torch.randn(2, 9, 4, 16, device="meta")
     k = torch.randn(2, 11, 2, 16, device="meta")

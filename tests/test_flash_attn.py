@@ -102,6 +102,24 @@ def test_cpu_gradients_route_does_not_depend_on_modes(monkeypatch):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_path_builds_a_bias_free_layout_once_per_key(monkeypatch):
+    # a layer's repeated calls reuse one layout; a call that differs in shape or options gets its own
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    flashtile.cpu._bias_free_layout.cache_clear()
+    q, k, v, _ = make_inputs(1, 64, 64, 2, 2, 32, torch.bfloat16, seed=14)
+    q, k, v = (t.detach() for t in (q, k, v))
+    for _ in range(2):
+        flashtile.flash_attn_func(q, k, v)
+    assert flashtile.cpu._bias_free_layout.cache_info()[:2] == (1, 1)  # (hits, misses)
+    for causal, (q_n, k_n, v_n) in ((True, (q, k, v)), (False, (q[:, :40], k, v))):
+        out = flashtile.flash_attn_func(q_n, k_n, v_n, causal=causal)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q_n, k_n, v_n)),
+                                                                is_causal=causal)
+        assert torch.equal(out, sdpa.transpose(1, 2))
+    assert flashtile.cpu._bias_free_layout.cache_info()[:2] == (1, 3)
+
+
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")
@@ -137,6 +155,24 @@ def test_non_contiguous_inputs(backend):
     assert not q.is_contiguous()
     do = torch.randn(2, 4, 59, 48, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
     check_flash_attn_func(q, k, v, do, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inputs_strided_in_the_head_dim(backend, dtype):
+    # k transposed from (batch, nheads, headdim, seqlen), v a step-2 slice of its head dim, and GQA 4:2
+    # without causality (the CPU path folds the group into rows): PyTorch's CPU kernel assumes unit stride in
+    # the head dim, and the output comes back contiguous, as flash-attn's does
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 23, 4, 16, generator=g).to(DEVICE, dtype).requires_grad_()
+    k = torch.randn(2, 2, 16, 31, generator=g).to(DEVICE, dtype).permute(0, 3, 1, 2).requires_grad_()
+    v = torch.randn(2, 31, 2, 32, generator=g).to(DEVICE, dtype)[..., ::2].requires_grad_()
+    assert k.stride(-1) != 1 and v.stride(-1) != 1
+    do = torch.randn(2, 23, 4, 16, generator=g).to(DEVICE, dtype)
+    for causal in (False, True):
+        check_flash_attn_func(q, k, v, do, causal=causal)
+        with torch.no_grad():
+            out = flashtile.flash_attn_func(q, k, v, causal=causal)
+        assert out.is_contiguous(), out.stride()
 
 
 def test_sdpa_layout_matches_torch_sdpa(backend):

@@ -142,6 +142,8 @@ def test_bad_shapes_raise_clear_errors():
         merge_split_attention_states(outs[:, 0, 0], lses[:, 0, 0])
     with pytest.raises(TypeError, match="floating-point"):
         merge_split_attention_states(outs.int(), lses)
+    with pytest.raises(ValueError, match=r"outs must hold at least one partial result \(P ≥ 1\)"):
+        merge_split_attention_states(outs[:0], lses[:0])
     with pytest.raises(TypeError, match="outs must be float16, bfloat16 or float32, got torch.float64"):
         merge_split_attention_states(outs.double(), lses)
     with pytest.raises(ValueError, match=r"out_a \(2, 9, 3, 40\) and out_b \(2, 8, 3, 40\) must have the same shape"):
@@ -163,3 +165,5 @@ def test_flash_attn_combine_in_fa3_layouts(backend):
     assert flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.bfloat16)[0].dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"lse_partial must be \(num_splits, batch, seqlen, nheads\)"):
         flashtile.flash_attn_combine(outs, lses)
+    with pytest.raises(ValueError, match=r"out_partial must hold at least one split"):
+        flashtile.flash_attn_combine(outs[:0], lses[:0].transpose(-1, -2))

@@ -360,6 +360,9 @@ def test_rotary_and_leftpad_validation():
         flashtile.flash_attn_with_kvcache(wide[:, :1].expand(1, 1, 2, 288), wide, wide,
                                           rotary_cos=torch.zeros(8, 4, device=DEVICE),
                                           rotary_sin=torch.zeros(8, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="need a row for each of the KV cache's 8 positions"):
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(7, 4, device=DEVICE),
+                                          rotary_sin=torch.zeros(7, 4, device=DEVICE))
     with pytest.raises(TypeError, match="rotary_sin must be a float tensor"):
         flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE))
     with pytest.raises(TypeError, match="cache_leftpad must be int32"):
@@ -548,6 +551,22 @@ def test_paged_varlen_names_seqused_k_in_its_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"seqused_k\[1\]=17 \(\+ 0 new\) does not fit a cache of 16"):
         flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), None, 2, 17,
                                          block_table=block_table, seqused_k=too_long)
+
+
+def test_paged_varlen_checks_cu_seqlens_k_by_its_own_name(monkeypatch):
+    # flash-attn 2's form (keys per sequence from cu_seqlens_k): a decreasing cu_seqlens_k or one of the wrong
+    # length is refused as cu_seqlens_k, as without a block table, not silently read as 0 keys
+    monkeypatch.setenv("FLASHTILE_CHECK_INPUTS", "1")
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache, block_table = paged_cache([10, 10], 16, 1, 16, torch.float16, g)
+    q = torch.randn(4, 2, 16, generator=g).to(DEVICE, torch.float16)
+    for cu_seqlens_k, message in ((cumulative([9, 0]) - torch.tensor([0, 0, 4], dtype=torch.int32, device=DEVICE),
+                                   "cu_seqlens_k must be non-decreasing"),
+                                  (cumulative([5]), r"cu_seqlens_k must have cu_seqlens_q's shape \(batch \+ 1,\) = \(3,\)"),
+                                  (cumulative([10, 17]), r"key count of cu_seqlens_k\[1\]=17 \(\+ 0 new\) does not fit")):
+        with pytest.raises(ValueError, match=message):
+            flashtile.flash_attn_varlen_func(q, k_cache, v_cache, cumulative([2, 2]), cu_seqlens_k, 2, 17,
+                                             block_table=block_table)
 
 
 @pytest.mark.parametrize("capability, by_ptx", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)],

@@ -188,6 +188,26 @@ def test_dropout_leaves_the_sink_undropped(backend):
         torch.testing.assert_close(got.double(), expected.transpose(1, 2), rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "varlen"])
+def test_returned_dropout_probabilities_are_those_the_output_used(backend, packed):
+    # S_dmask holds the probabilities the output was computed with, so out = (S⁺ / (1 − p)) V: with a sink
+    # its share of each row is not among the keys' (the rows sum to 1 − exp(sink − L), not to 1)
+    q, k, v, _ = (t.detach() for t in make_inputs(1, 7, 9, 2, 2, 16, torch.float32, seed=11))
+    sink, dropout_p = torch.tensor([3.0, -1.0], device=DEVICE), 0.2
+    if packed:
+        cu = torch.tensor([0, 7], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+        out, lse, probs = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 7, 9, dropout_p=dropout_p,
+                                                           learnable_sink=sink, return_attn_probs=True)
+        out, lse = out[None], lse[None]
+    else:
+        out, lse, probs = flashtile.flash_attn_func(q, k, v, dropout_p=dropout_p, learnable_sink=sink,
+                                                    return_attn_probs=True)
+    torch.testing.assert_close(probs.abs().sum(-1), 1 - torch.exp(sink[:, None] - lse), rtol=0, atol=1e-5)
+    recomposed = (probs.clamp(min=0) / (1 - dropout_p)) @ v.transpose(1, 2)  # [B, H, Nq, D]
+    torch.testing.assert_close(out, recomposed.transpose(1, 2), rtol=0, atol=1e-5)
+
+
 def test_attention_takes_the_sink_by_keyword(backend):
     q, k, v, do = (t.transpose(1, 2) for t in make_inputs(2, 14, 21, 4, 2, 16, torch.float32, seed=10))
     mask = torch.rand(14, 21, generator=torch.Generator().manual_seed(11)).to(DEVICE) > 0.3

@@ -118,6 +118,20 @@ def check_cu_tensor(name: str, cu, device) -> None:
         raise ValueError(f"{name} must be on {device}, got {cu.device}")
 
 
+def check_paged_cu_seqlens_k(cu_seqlens_k, cu_seqlens_q, device) -> None:
+    """cu_seqlens_k of a paged varlen call, where its differences are the keys each sequence uses in the
+    cache (its total bounds no tensor): one entry per cu_seqlens_q entry, non-decreasing where its values
+    are read (:func:`checks_contents`)."""
+    check_cu_tensor("cu_seqlens_k", cu_seqlens_k, device)
+    if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape (batch + 1,) = {tuple(cu_seqlens_q.shape)}, "
+                         f"got {tuple(cu_seqlens_k.shape)}")
+    if checks_contents(cu_seqlens_k):
+        values = cu_seqlens_k.tolist()
+        if any(end < start for start, end in zip(values, values[1:])):
+            raise ValueError(f"cu_seqlens_k must be non-decreasing (sequence lengths ≥ 0), got {_shown(values)}")
+
+
 def _check_max_seqlen(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise TypeError(f"{name} must be an int ≥ 0, got {value!r}")
@@ -185,9 +199,11 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
     return alibi_slopes.contiguous()
 
 
-def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
+def check_rotary(rotary_cos, rotary_sin, head_dim: int, device, capacity: int) -> None:
     """rotary_cos and rotary_sin: together or not at all, float tensors of one shape (seqlen_ro,
-    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim ≤ 256."""
+    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim ≤ 256, with a row for each of the
+    cache's ``capacity`` positions (flash-attn 2's rule: the kernels would clamp a position past the
+    table to its last row)."""
     if rotary_cos is None and rotary_sin is None:
         return
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
@@ -201,6 +217,9 @@ def check_rotary(rotary_cos, rotary_sin, head_dim: int, device) -> None:
                          f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
     if not 1 <= 2 * rotary_cos.shape[1] <= head_dim:
         raise ValueError(f"rotary_dim = 2 · {rotary_cos.shape[1]} must be in 1..headdim ({head_dim})")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos and rotary_sin need a row for each of the KV cache's {capacity} positions "
+                         f"(seqlen_ro ≥ the cache's seqlen, as in flash-attn), got {rotary_cos.shape[0]} rows")
     if head_dim > 256:  # the kernels rotate the tile they load, one chunk of at most 256 channels
         raise ValueError(f"rotary embeddings take head dims up to 256 (as flash-attn 2), got headdim {head_dim}")
 
@@ -526,6 +545,8 @@ def check_states(outs, lses) -> None:
         raise TypeError(f"outs must be float16, bfloat16 or float32, got {outs.dtype}")
     if outs.dim() < 4:
         raise ValueError(f"outs must be [P, ..., seqlen, nheads, headdim], got shape {tuple(outs.shape)}")
+    if outs.shape[0] == 0:
+        raise ValueError(f"outs must hold at least one partial result (P ≥ 1), got shape {tuple(outs.shape)}")
     expected = (*outs.shape[:-3], outs.shape[-2], outs.shape[-3])
     if tuple(lses.shape) != expected:
         raise ValueError(
@@ -556,6 +577,9 @@ def check_combine(out_partial, lse_partial, out) -> None:
     if lse_partial.shape != out_partial.shape[:4]:
         raise ValueError(f"lse_partial must be (num_splits, batch, seqlen, nheads) = {tuple(out_partial.shape[:4])} "
                          f"for out_partial {tuple(out_partial.shape)}, got {tuple(lse_partial.shape)}")
+    if out_partial.shape[0] == 0:
+        raise ValueError(f"out_partial must hold at least one split (num_splits ≥ 1), got shape "
+                         f"{tuple(out_partial.shape)}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")

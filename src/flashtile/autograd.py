@@ -70,8 +70,11 @@ def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
     path's fused kernel); else the forward alone, whose result PyTorch's kernel makes differentiable in that
     case. autograd's Function machinery costs ~20 µs of host time per call on a CPU core, as much as a
     small call's launch (benchmarks/NOTES.md, "Host time")."""
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (a, b, c, attn_bias, learnable_sink))
+    # spelled out, not any() over a generator: this runs on every call
+    wants_grad = torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad)
+                                              or (c is not None and c.requires_grad)
+                                              or (attn_bias is not None and attn_bias.requires_grad)
+                                              or (learnable_sink is not None and learnable_sink.requires_grad))
     if not (wants_grad and uses_triton(a)):
         q, k, v = unpack(layout, a, b, c)
         tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
@@ -80,5 +83,8 @@ def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
             return call_fwd(q, k, v, tensors, options)
         if differentiable(q, k, v, tensors, options):
             return differentiable_fwd(q, k, v, tensors, options)
+    if torch.compiler.is_compiling():  # Dynamo refuses one tensor passed twice to a Function: a view stands in
+        b = b.view_as(b) if b is not None and b is a else b
+        c = c.view_as(c) if c is not None and (c is a or c is b) else c
     return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
                                    cu_seqlens_k, learnable_sink, options)

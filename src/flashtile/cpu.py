@@ -30,6 +30,8 @@ Everything else runs ``flashtile.reference``'s tiled algorithm.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference
@@ -83,20 +85,25 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
 SHORT_BACKWARD_SEQLEN = 128
 
 
-def _compute_dtype(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, bias, backward: bool) -> torch.dtype:
-    """The dtype PyTorch's kernel runs in: q's own 16-bit type where the caller does not read the
-    log-sum-exp (and no bias, which the kernel would want in that type too), except a backward over
-    short sequences (:data:`SHORT_BACKWARD_SEQLEN`); else float32. A float32 backward of a 16-bit
-    forward rebuilds the same P: both kernels form the scores in float32 from the same 16-bit values."""
-    native = not options.returns_lse and bias is None and q.dtype in (torch.float16, torch.bfloat16)
-    if native and backward and max(q.shape[1], k.shape[1]) <= SHORT_BACKWARD_SEQLEN:
+def _compute_dtype(dtype: torch.dtype, q_shape, k_shape, options: AttentionOptions, bias,
+                   backward: bool) -> torch.dtype:
+    """The dtype PyTorch's kernel runs in, for inputs of ``dtype`` and shapes ``q_shape``, ``k_shape``:
+    their own 16-bit type where the caller does not read the log-sum-exp (and no bias, which the kernel
+    would want in that type too), except a backward over short sequences (:data:`SHORT_BACKWARD_SEQLEN`);
+    else float32. A float32 backward of a 16-bit forward rebuilds the same P: both kernels form the
+    scores in float32 from the same 16-bit values."""
+    native = not options.returns_lse and bias is None and dtype in (torch.float16, torch.bfloat16)
+    if native and backward and max(q_shape[1], k_shape[1]) <= SHORT_BACKWARD_SEQLEN:
         return torch.float32
-    return q.dtype if native else torch.float32
+    return dtype if native else torch.float32
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``, without the dispatch where it is a no-op (~1 µs a call on a CPU core)."""
-    return t if t.dtype == dtype else t.to(dtype)
+    """``t.to(dtype)``, without the dispatch where it is a no-op (~1 µs a call on a CPU core), with unit
+    stride in the head dim: PyTorch's kernel assumes it (SDPA copies such inputs before calling it), and
+    read a head dim sliced with a step, transposed or expanded as if it were contiguous."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -113,10 +120,11 @@ def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op
     repeated over the group (+44% and +78% of a Llama-style layer's saved tensors, found by a review),
     and hand back gradients in the folded layout."""
     bias = tensors.attn_bias
-    if tensors.is_varlen or q.shape[2] != k.shape[2]:
+    q_shape, k_shape = q.shape, k.shape
+    if tensors.is_varlen or q_shape[2] != k_shape[2]:
         return False
-    if not _compute_dtype(q, k, options, bias, backward=False) == q.dtype == _compute_dtype(q, k, options, bias,
-                                                                                             backward=True):
+    if not (_compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=False) == q.dtype
+            == _compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=True)):
         return False
     return fused_applies(q, k, v, options, tensors, bias_grad=bias is not None and bias.requires_grad)
 
@@ -130,12 +138,13 @@ class _Layout:
     position, so causal attention repeats K/V over the group instead (and sums dK/dV back).
     """
 
-    def __init__(self, q, k, options: AttentionOptions, bias, backward: bool = False):
-        self.dtype = _compute_dtype(q, k, options, bias, backward)
-        self.batch, self.seqlen_q, self.nheads_q = q.shape[:3]
-        self.nheads_k = k.shape[2]
+    def __init__(self, dtype: torch.dtype, q_shape, k_shape, options: AttentionOptions, bias,
+                 backward: bool = False):
+        self.dtype = _compute_dtype(dtype, q_shape, k_shape, options, bias, backward)
+        self.batch, self.seqlen_q, self.nheads_q = q_shape[:3]
+        self.nheads_k = k_shape[2]
         self.group = self.nheads_q // self.nheads_k
-        self.causal = _pytorch_causal(options, q.shape[1], k.shape[1])
+        self.causal = _pytorch_causal(options, q_shape[1], k_shape[1])
         if bias is not None:  # as 4-D; PyTorch's kernel takes it in its own dtype (float32 here)
             bias = bias.float()
             if bias.dim() < 4:
@@ -171,8 +180,8 @@ class _Layout:
             return _as(out.transpose(1, 2), dtype).contiguous()
         # [B, Hk, G·Nq, Dv] → [B, Nq, Hk, G, Dv]: query head h = hk·G + g
         unfolded = out.unflatten(2, (self.group, self.seqlen_q)).permute(0, 3, 1, 2, 4)
-        if dtype == out.dtype:
-            return unfolded.reshape(self.batch, self.seqlen_q, self.nheads_q, -1)  # the one copy
+        if dtype == out.dtype:  # the one copy (a reshape alone can return a strided view of the kernel's out)
+            return unfolded.reshape(self.batch, self.seqlen_q, self.nheads_q, -1).contiguous()
         result = out.new_empty((self.batch, self.seqlen_q, self.nheads_q, out.shape[-1]), dtype=dtype)
         result.view(self.batch, self.seqlen_q, self.nheads_k, self.group, -1).copy_(unfolded)
         return result
@@ -186,15 +195,29 @@ class _Layout:
         return t.unflatten(1, (self.nheads_k, self.group)).sum(2) if self.group > 1 and not self.fold else t
 
 
+# a bias-free layout depends on the call's dtype, shapes and options only, and a layer's calls repeat one
+# such key: built once per key, not per call (~1 µs of a CPU core a call, about twice that after a kernel)
+_bias_free_layout = functools.lru_cache(maxsize=256)(_Layout)
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, bias, backward: bool = False) -> _Layout:
+    """The call's :class:`_Layout`: the one of its key where it has no bias, else its own."""
+    if bias is None:
+        return _bias_free_layout(q.dtype, q.shape, k.shape, options, None, backward)
+    return _Layout(q.dtype, q.shape, k.shape, options, bias, backward)
+
+
 def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
     """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts.
     A row that a bias leaves no key gets output 0, as flashtile's, and log-sum-exp −inf (PyTorch's
     kernel reports 0 there) where the caller reads it (``options.returns_lse``): the backward rebuilds
     such a row's P as 0 from either, and the check costs five tensor operations a call."""
-    layout = _Layout(q, k, options, bias)
+    layout = _layout(q, k, options, bias)
     out, lse = _FORWARD(layout.rows(q), layout.keys(k), layout.keys(v), 0.0, layout.causal,
                         attn_mask=layout.bias, scale=options.softmax_scale)
-    lse = layout.unfold_rows(lse)
+    # contiguous, as the operator's fake implementation declares it (torch.compile checks): the kernel's lse
+    # is laid out [B, rows, H] in memory
+    lse = layout.unfold_rows(lse).contiguous()
     if bias is not None and options.returns_lse:
         lse = lse.masked_fill(torch.isneginf(bias).all(-1).expand(lse.shape), float("-inf"))
     return layout.output(out, q.dtype), lse
@@ -202,7 +225,7 @@ def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):
     """→ (dq, dk, dv) in the inputs' layouts (in the compute dtype), P rebuilt from ``lse``."""
-    layout = _Layout(q, k, options, bias, backward=True)
+    layout = _layout(q, k, options, bias, backward=True)
     # a row that sees no key: any finite lse rebuilds its P as 0 (its scores are −inf), −inf would give NaN
     lse = lse.masked_fill(torch.isneginf(lse), 0.0).contiguous()
     dq, dk, dv = _BACKWARD(layout.rows(dout), layout.rows(q), layout.keys(k), layout.keys(v), layout.rows(out),

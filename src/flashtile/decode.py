@@ -142,7 +142,8 @@ def flash_attn_with_kvcache(
         cu_seqlens_q = reference.nondecreasing(cu_seqlens_q)
     nheads_q, head_dim = q.shape[-2:]
     options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
-    _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device)
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
     out = _validate.check_out(out, ops.out_shape(q, v_cache), q.dtype, q.device)
@@ -151,8 +152,7 @@ def flash_attn_with_kvcache(
     num_splits = _validate.check_num_splits(num_splits)
 
     if cache_seqlens is None:
-        full = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-        cache_seqlens = torch.full((batch,), full, dtype=torch.int32, device=q.device)
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     seqlens_k = cache_seqlens

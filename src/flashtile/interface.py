@@ -110,30 +110,31 @@ def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softca
     if options.dropout_p > 0:
         v = unpack(layout, a, b, c)[2]
         if varlen:
-            probs = _varlen_dropout_probs(q, k, v, options, alibi_slopes, dropout_seed, cu_seqlens_q,
+            probs = _varlen_dropout_probs(q, k, v, options, alibi_slopes, learnable_sink, dropout_seed, cu_seqlens_q,
                                           cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)
         else:
-            probs = _dropout_probs(q, k, v, options, alibi_slopes, attn_bias, dropout_seed)
+            probs = _dropout_probs(q, k, v, options, alibi_slopes, learnable_sink, attn_bias, dropout_seed)
     return out, lse, probs
 
 
-def _dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, attn_bias, dropout_seed):
-    """flash-attn's S_dmask, for testing: the undropped probabilities (batch, nheads, Nq, Nk)
-    with the entries that dropout removed negated. O(N²) memory, formed by the reference."""
+def _dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, learnable_sink, attn_bias, dropout_seed):
+    """flash-attn's S_dmask, for testing: the undropped probabilities (batch, nheads, Nq, Nk) that the
+    output was computed with (a learnable sink's share of each row taken out), the entries that dropout
+    removed negated. O(N²) memory, formed by the reference."""
     with torch.no_grad():
         qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))  # float32: P exact to its rounding
         seed = int(dropout_seed.item())
         _, _, p = reference.attention_forward(
             qt, kt, vt, options.softmax_scale, window_size=options.window, softcap=options.softcap,
-            alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+            alibi_slopes=alibi_slopes, attn_bias=attn_bias, learnable_sink=learnable_sink,
         )
         keep = reference.dropout_keep_mask(seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                            options.dropout_p, device=q.device)
         return torch.where(keep, p, -p).to(q.dtype)
 
 
-def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, dropout_seed, cu_seqlens_q,
-                          cu_seqlens_k):
+def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, learnable_sink, dropout_seed,
+                          cu_seqlens_q, cu_seqlens_k):
     """S_dmask of a packed batch, as flash-attn 2's varlen functions return it: (batch, nheads,
     max_seqlen_q, max_seqlen_k), each sequence's probabilities (dropped entries negated) in its top
     left corner and 0 elsewhere. The dropout counter of sequence b is that of batch entry b, at
@@ -151,7 +152,8 @@ def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, drop
             qt, kt, vt = (t[rows].transpose(0, 1)[None].float() for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k)))
             slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
             _, _, p = reference.attention_forward(qt, kt, vt, options.softmax_scale, window_size=options.window,
-                                                  softcap=options.softcap, alibi_slopes=slopes)
+                                                  softcap=options.softcap, alibi_slopes=slopes,
+                                                  learnable_sink=learnable_sink)
             seq_head = (b * nheads + torch.arange(nheads, device=q.device)).view(1, nheads, 1, 1)
             keep = reference.dropout.keep_mask_block(seed, seq_head, torch.arange(seqlen_q, device=q.device),
                                                      torch.arange(seqlen_k, device=q.device), options.dropout_p)
@@ -324,14 +326,16 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   "call it under torch.no_grad() or torch.inference_mode()")
     if _validate.check_dropout(dropout_p) > 0:
         raise NotImplementedError("dropout is not supported with block_table (a paged KV cache is for inference)")
+    seqlens_name = "seqused_k"
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("with block_table, give seqused_k or cu_seqlens_k: the keys each sequence uses")
-        _validate.check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
-        cu_seqlens_k = reference.nondecreasing(cu_seqlens_k)  # the packed rule (reference.packed_rows)
-        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)  # checked as seqused_k below
+        _validate.check_paged_cu_seqlens_k(cu_seqlens_k, cu_seqlens_q, q.device)
+        cu_seqlens_k = reference.nondecreasing(cu_seqlens_k)  # the packed rule where unchecked (reference.packed_rows)
+        seqused_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        seqlens_name = "the key count of cu_seqlens_k"  # what the checks below call seqused_k's values
     batch = _validate.check_kvcache_inputs(q, k_cache, v_cache, None, None, seqused_k, None, block_table,
-                                           cu_seqlens_q, max_seqlen_q, seqlens_name="seqused_k")
+                                           cu_seqlens_q, max_seqlen_q, seqlens_name=seqlens_name)
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[1], q.device)
