@@ -225,12 +225,15 @@ def test_num_splits_heuristic_fills_the_gpu():
         (dict(softcap=-1.0), ValueError, "softcap must be a number"),
         (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
         (dict(num_splits=-1), ValueError, "num_splits must be an int"),
+        (dict(num_splits=True), ValueError, "num_splits must be an int"),
+        (dict(cache_seqlens=True), TypeError, "cache_seqlens must be an int or an int32 tensor, got bool"),
+        (dict(out=torch.zeros(1, 1, 1, 40).half().expand(2, 1, 4, 40)), ValueError, "out must not overlap itself"),
         (dict(q=torch.randn(32768, 1, 4, 16).half(), k_cache=torch.randn(32768, 2, 2, 16).half(),
               v_cache=torch.randn(32768, 2, 2, 16).half()), ValueError, r"batch · nheads of the cache \(32768 · 2\)"),
     ],
     ids=["dtype", "heads", "k-without-v", "append-without-seqlens", "seqlens-int64", "seqlens-shape", "overflow",
          "cache-batch", "paged-with-batch-idx", "window-type", "window-below-minus-one", "softcap", "alibi-shape",
-         "num-splits", "grid"],
+         "num-splits", "num-splits-bool", "seqlens-bool", "out-expanded", "grid"],
 )
 def test_bad_inputs_raise_clear_errors(change, error, message):
     args = dict(q=torch.randn(2, 1, 4, 40).half(), k_cache=torch.randn(2, 96, 2, 40).half(),

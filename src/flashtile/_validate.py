@@ -258,6 +258,9 @@ def check_out(out, shape: tuple, dtype, device):
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.device != device:
         raise ValueError(f"out must be on {device}, got {out.device}")
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
+        raise ValueError(f"out must not overlap itself (an expanded tensor), got strides {out.stride()} for shape "
+                         f"{tuple(out.shape)}")
     return out
 
 
@@ -448,7 +451,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise ValueError("cache_seqlens is required when k and v are appended to the cache")
     if isinstance(cache_seqlens, torch.Tensor):
         _check_int32(seqlens_name, cache_seqlens, (batch,))
-    elif cache_seqlens is not None and not isinstance(cache_seqlens, int):
+    elif cache_seqlens is not None and (not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool)):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     if block_table is not None:
         if cache_batch_idx is not None:
@@ -523,7 +526,7 @@ def _check_kvcache_indices(k_cache, cache_seqlens, new_lengths, capacity: int, c
 
 
 def check_num_splits(num_splits) -> int:
-    if not isinstance(num_splits, int) or num_splits < 0:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int ≥ 0, got {num_splits!r}")
     return num_splits
 
