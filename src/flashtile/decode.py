@@ -111,7 +111,8 @@ def flash_attn_with_kvcache(
             cu_seqlens_q[b + 1]), as are the new k, v (total_q, nheads_k, headdim): chunked
             prefill and speculative decoding of a mixed batch in one call. Causal aligns each
             sequence's queries to the end of its keys (its new ones included).
-        rotary_cos, rotary_sin: keyword only, optional (seqlen_ro, rotary_dim / 2), flash-attn 2's
+        rotary_cos, rotary_sin: keyword only, optional (seqlen_ro, rotary_dim / 2), seqlen_ro at least
+            the cache's length (as flash-attn 2 requires), flash-attn 2's
             rotary embedding of the first rotary_dim channels: the new k at positions
             cache_seqlens[b] + i, and q at the same positions when causal or windowed, else all
             at cache_seqlens[b]. Fused: the kernels rotate the tiles as they load them, and no
