@@ -165,5 +165,11 @@ def test_flash_attn_combine_in_fa3_layouts(backend):
     assert flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.bfloat16)[0].dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"lse_partial must be \(num_splits, batch, seqlen, nheads\)"):
         flashtile.flash_attn_combine(outs, lses)
+    with pytest.raises(TypeError, match="out_dtype must be torch.float16, torch.bfloat16 or torch.float32"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="out must be float16, bfloat16 or float32, got torch.int32"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer.int())
+    with pytest.raises(TypeError, match="out_dtype torch.float32 differs from out's dtype torch.float16"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"out_partial must hold at least one split"):
         flashtile.flash_attn_combine(outs[:0], lses[:0].transpose(-1, -2))

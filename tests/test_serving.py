@@ -346,6 +346,21 @@ def test_cache_leftpad(backend, num_splits):
     assert_accurate("out", out, refs[0], refs[1], factor=2)
 
 
+def test_rotary_with_a_window_as_long_as_the_cache_is_not_local(backend):
+    # flash-attn 2's rule: a window side at least as long as the cache becomes −1, so the call is not "local"
+    # and every query is rotated at cache_seqlens, as without a window (the mask is the same either way)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 3, 2, 16, generator=g).to(DEVICE)
+    cache = [torch.randn(1, 16, 2, 16, generator=g).to(DEVICE) for _ in range(2)]
+    k, v = (torch.randn(1, 3, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    angles = torch.rand(16, 8, generator=g).to(DEVICE) * 6
+    cache_seqlens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    outs = [flashtile.flash_attn_with_kvcache(q, *(t.clone() for t in cache), k, v, cache_seqlens=cache_seqlens,
+                                              rotary_cos=angles.cos(), rotary_sin=angles.sin(), window_size=window)
+            for window in ((-1, -1), (100, 100), (16, -1))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_rotary_and_leftpad_validation():
     q = torch.zeros(1, 1, 2, 16, device=DEVICE)
     cache = torch.zeros(1, 8, 1, 16, device=DEVICE)

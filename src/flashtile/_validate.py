@@ -323,6 +323,18 @@ def attention_options(head_dim: int, softmax_scale, causal, window_size, softcap
     return options._replace(deterministic=True) if deterministic(deterministic_asked) else options
 
 
+def kvcache_options(head_dim: int, softmax_scale, causal, window_size, softcap, capacity: int) -> AttentionOptions:
+    """:func:`attention_options` of a KV-cache call, with flash-attn 2's rule for windows: a side at least
+    as long as the cache (``capacity`` positions) bounds no key and becomes −1, so such a call is not
+    "local", which also decides where q is rotated (at cache_seqlens, not at its own positions)."""
+    options = attention_options(head_dim, softmax_scale, causal, window_size, softcap)
+    left, right = options.window
+    if left >= capacity or right >= capacity:
+        options = options._replace(window_left=-1 if left >= capacity else left,
+                                   window_right=-1 if right >= capacity else right)
+    return options
+
+
 def _plain(arguments) -> bool:
     """Whether every option is a Python bool, int, float or None, the window a pair of ints: values
     that hash as they compare, so a cache keyed on them cannot hand one call's validation to another
@@ -569,9 +581,10 @@ def check_state_pair(out_a, lse_a, out_b, lse_b) -> None:
             raise ValueError(f"{name}_a {tuple(a.shape)} and {name}_b {tuple(b.shape)} must have the same shape")
 
 
-def check_combine(out_partial, lse_partial, out) -> None:
+def check_combine(out_partial, lse_partial, out, out_dtype=None) -> None:
     """FA3's combine layouts: out_partial (splits, batch, seqlen, nheads, headdim), lse_partial
-    (splits, batch, seqlen, nheads), and out (batch, seqlen, nheads, headdim) if given."""
+    (splits, batch, seqlen, nheads), and out (batch, seqlen, nheads, headdim) if given; the result's
+    dtype (``out``'s, ``out_dtype``) float16, bfloat16 or float32, and the two the same where both are given."""
     for name, t, ndim in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -588,4 +601,10 @@ def check_combine(out_partial, lse_partial, out) -> None:
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if out.shape != out_partial.shape[1:]:
             raise ValueError(f"out must have shape {tuple(out_partial.shape[1:])}, got {tuple(out.shape)}")
+        if out.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out must be float16, bfloat16 or float32, got {out.dtype}")
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype}")
 

@@ -142,8 +142,8 @@ def flash_attn_with_kvcache(
     if packed:  # the packed rule (reference.packed_rows), read by the rotary positions, append and attention
         cu_seqlens_q = reference.nondecreasing(cu_seqlens_q)
     nheads_q, head_dim = q.shape[-2:]
-    options = _validate.attention_options(head_dim, softmax_scale, causal, window_size, softcap)
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    options = _validate.kvcache_options(head_dim, softmax_scale, causal, window_size, softcap, capacity)
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)

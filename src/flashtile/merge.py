@@ -68,14 +68,15 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         out_partial: (num_splits, batch, seqlen, nheads, headdim), the splits' normalised outputs.
         lse_partial: (num_splits, batch, seqlen, nheads), their natural-log log-sum-exps (−inf, or
             +inf as flash-attn 2 writes it, for a split that saw no key).
-        out: optional (batch, seqlen, nheads, headdim) tensor to write the result into.
-        out_dtype: the result's dtype when ``out`` is not given; default out_partial's.
+        out: optional (batch, seqlen, nheads, headdim) float16/bfloat16/float32 tensor to write the result into.
+        out_dtype: the result's dtype, float16, bfloat16 or float32; default ``out``'s, else out_partial's
+            (with ``out`` given, it must be out's, as in FA3).
 
     Returns:
         (out (batch, seqlen, nheads, headdim), lse (batch, seqlen, nheads) float32); rows whose
         splits are all empty give 0 and −inf.
     """
-    _validate.check_combine(out_partial, lse_partial, out)
+    _validate.check_combine(out_partial, lse_partial, out, out_dtype)
     merged, lse = merge_split_attention_states(out_partial, lse_partial.transpose(-1, -2))
     if out is None:
         out = merged if out_dtype is None else merged.to(out_dtype)
