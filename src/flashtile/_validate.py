@@ -96,13 +96,19 @@ def _shown(values: list[int]) -> str:
     return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:12]))}, ...] ({len(values)} values)"
 
 
-def _check_cu_values(name: str, cu: torch.Tensor, total: int, tensor: str, max_name: str, max_seqlen: int) -> None:
-    values = cu.tolist()
+def _cu_lengths(name: str, values: list[int]) -> list[int]:
+    """The sequence lengths of cumulative ``values``, which must not decrease."""
     lengths = [end - start for start, end in zip(values, values[1:])]
-    if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {_shown(values)}")
     if any(length < 0 for length in lengths):
         raise ValueError(f"{name} must be non-decreasing (sequence lengths ≥ 0), got {_shown(values)}")
+    return lengths
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total: int, tensor: str, max_name: str, max_seqlen: int) -> None:
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {_shown(values)}")
+    lengths = _cu_lengths(name, values)
     if values[-1] > total:
         raise ValueError(f"{name} ends at {values[-1]}, past the {total} tokens of {tensor}: {_shown(values)}")
     if lengths and max(lengths) > max_seqlen:
@@ -127,9 +133,7 @@ def check_paged_cu_seqlens_k(cu_seqlens_k, cu_seqlens_q, device) -> None:
         raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape (batch + 1,) = {tuple(cu_seqlens_q.shape)}, "
                          f"got {tuple(cu_seqlens_k.shape)}")
     if checks_contents(cu_seqlens_k):
-        values = cu_seqlens_k.tolist()
-        if any(end < start for start, end in zip(values, values[1:])):
-            raise ValueError(f"cu_seqlens_k must be non-decreasing (sequence lengths ≥ 0), got {_shown(values)}")
+        _cu_lengths("cu_seqlens_k", cu_seqlens_k.tolist())
 
 
 def _check_max_seqlen(name: str, value) -> None:
