@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kerne
 SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
 CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
          for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
-                                            "fwd_persistent-d128-full", "bwd_preprocess-d64-full",
+                                            "fwd_persistent-d128-full", "fwd_persistent-d64-causal",
+                                            "fwd_persistent-d128-causal", "bwd_preprocess-d64-full",
                                             "bwd_preprocess-d128-full"]
 
 

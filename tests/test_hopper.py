@@ -176,7 +176,7 @@ def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_di
     # a persistent grid of 3 CTAs, causal ones included: each walks tens of tiles of every length (causal
     # q1000-k300: tiles that see no key between ones that do), its K/V ring, Q and O buffers and barriers'
     # phases running on across them; the backward takes the forward's LSE
-    monkeypatch.setattr(sm90_fwd, "persistent", lambda causal, seqlen_k: True)
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda causal, seqlen_k, head_dim: True)
     monkeypatch.setattr(sm90_fwd, "programs", lambda tiles, device: min(tiles, 3))
     q, k, v, do = make_inputs(3, *seqlens, 16, 4, head_dim, torch.bfloat16, seed=16)
     learnable_sink = torch.linspace(-4.0, 4.0, 16, device=DEVICE).requires_grad_() if sink else None

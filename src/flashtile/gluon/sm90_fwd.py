@@ -107,15 +107,39 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _num_tiles(batch, nheads_q, seqlen_q, tiling):
-    """Tiles of the whole call: one per block of NUM_CONSUMERS·ROWS query rows of one head."""
-    return gl.cdiv(seqlen_q, tiling.NUM_CONSUMERS * tiling.ROWS) * nheads_q * batch
+def _units_per_head(seqlen_q, tiling):
+    """A persistent grid's units of work per head, which CTAs take in a static stride, so all as long:
+    a tile each at full attention; under causal masking pairs of tiles, the i-th longest with the i-th
+    shortest (M + 1 key blocks for M query blocks; the middle tile of an odd M alone)."""
+    m_blocks = gl.cdiv(seqlen_q, tiling.NUM_CONSUMERS * tiling.ROWS)
+    if tiling.CAUSAL:
+        m_blocks = (m_blocks + 1) // 2
+    return m_blocks
+
+
+@gluon.jit
+def _unit_tiles(unit, nheads_q, seqlen_q, tiling):
+    """Unit index → (batch, query head, its first tile's Q block, the second's minus the first's, tiles
+    in it: 1 or 2); a head's units side by side, sharing its K/V in L2."""
+    m_blocks = gl.cdiv(seqlen_q, tiling.NUM_CONSUMERS * tiling.ROWS)
+    per_head = _units_per_head(seqlen_q, tiling)
+    u = unit % per_head
+    i_bh = unit // per_head
+    if tiling.CAUSAL:
+        first = m_blocks - 1 - u  # the longest first, then its partner u
+        count = gl.minimum(first - u, 1) + 1
+        step = u - first
+    else:
+        first = u
+        count = 1
+        step = 0
+    return i_bh // nheads_q, i_bh % nheads_q, first, step, count
 
 
 @gluon.jit
 def _tile_coords(tile, nheads_q, seqlen_q, tiling):
-    """Tile index → (batch, query head, first row): a head's blocks side by side, sharing its K/V in
-    L2, causal ones longest first (the last query blocks see the most keys). Ordering the causal tiles
+    """A CTA of one tile: tile index → (batch, query head, first row): a head's blocks side by side,
+    sharing its K/V in L2, causal ones longest first (the last query blocks see the most keys). Ordering the causal tiles
     longest first over the whole call instead (heads interleaved) measured 20-30% slower: the K/V reuse
     in L2 is worth more than the balance (benchmarks/NOTES.md, fourteenth session)."""
     BLOCK_M: gl.constexpr = tiling.NUM_CONSUMERS * tiling.ROWS
@@ -145,27 +169,31 @@ def _key_range(row_start, seqlen_q, seqlen_k, tiling):
 
 @gluon.jit
 def _walk_tiles(work: gl.constexpr, args, shape, batch, nheads_q, seqlen_q, tiling):
-    """``work(*args, tile, blocks_done, tile_iter, *shape)`` for each of the CTA's tiles, in the same order in
-    every partition: ``blocks_done`` is the K/V ring's position, which ``work`` returns advanced past the
-    tile's blocks, and ``tile_iter`` counts the CTA's tiles (the Q buffer's phases)."""
+    """``work(*args, i_b, i_hq, row_start, blocks_done, tile_iter, *shape)`` for each of the CTA's tiles, in the
+    same order in every partition: ``blocks_done`` is the K/V ring's position, which ``work`` returns advanced
+    past the tile's blocks, and ``tile_iter`` counts the CTA's tiles (the Q buffer's phases)."""
+    BLOCK_M: gl.constexpr = tiling.NUM_CONSUMERS * tiling.ROWS
     if tiling.PERSISTENT:
         blocks_done = 0
         tile_iter = 0
-        for tile in range(gl.program_id(0), _num_tiles(batch, nheads_q, seqlen_q, tiling), gl.num_programs(0)):
-            blocks_done = work(*args, tile, blocks_done, tile_iter, *shape)
-            tile_iter += 1
+        units = _units_per_head(seqlen_q, tiling) * nheads_q * batch
+        for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+            i_b, i_hq, first, step, count = _unit_tiles(unit, nheads_q, seqlen_q, tiling)
+            for k in range(count):
+                blocks_done = work(*args, i_b, i_hq, (first + k * step) * BLOCK_M, blocks_done, tile_iter, *shape)
+                tile_iter += 1
     else:
-        work(*args, gl.program_id(0), 0, 0, *shape)
+        i_b, i_hq, row_start = _tile_coords(gl.program_id(0), nheads_q, seqlen_q, tiling)
+        work(*args, i_b, i_hq, row_start, 0, 0, *shape)
 
 
 @gluon.jit
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  tile, blocks_done, tile_iter, nheads_q, group_size, seqlen_q, seqlen_k, tiling):
+                  i_b, i_hq, row_start, blocks_done, tile_iter, group_size, seqlen_q, seqlen_k, tiling):
     """One tile's loads: every consumer's Q rows once the consumers are done with the previous tile's,
     then its K/V blocks into the ring from position ``blocks_done``. → the ring's position after them."""
     BLOCK_N: gl.constexpr = tiling.BLOCK_N
     NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
-    i_b, i_hq, row_start = _tile_coords(tile, nheads_q, seqlen_q, tiling)
     n_blocks, _ = _key_range(row_start, seqlen_q, seqlen_k, tiling)
     i_hk = i_hq // group_size
     # a fresh mbarrier counts the phase before its first as complete: the first lap passes
@@ -191,7 +219,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     """One warp: the loads of the CTA's tiles. The ring runs on across tiles, so that a persistent CTA's
     next tile's Q and first blocks load under this one's last."""
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-    _walk_tiles(_produce_tile, loads, (nheads_q, group_size, seqlen_q, seqlen_k, tiling), batch, nheads_q, seqlen_q,
+    _walk_tiles(_produce_tile, loads, (group_size, seqlen_q, seqlen_k, tiling), batch, nheads_q, seqlen_q,
                 tiling)
 
 
@@ -217,8 +245,8 @@ def _online_softmax(s, m_i, l_i, rows, start_n, seqlen_k, diagonal, qk_scale, un
 
 @gluon.jit
 def _consume_tile(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
-                  Lse, stride_lb, stride_lh, Sinks, tile, blocks_done, tile_iter, nheads_q, seqlen_q, seqlen_k, qk_scale,
-                  tiling):
+                  Lse, stride_lb, stride_lh, Sinks, i_b, i_hq, row_start, blocks_done, tile_iter, seqlen_q, seqlen_k,
+                  qk_scale, tiling):
     """One tile: query rows [row_start + which·ROWS, +ROWS) against every K/V block they see, from ring
     position ``blocks_done``; O staged in shared memory and stored by the copy engine, which the caller
     waits for. → the ring's position after the tile."""
@@ -238,7 +266,6 @@ def _consume_tile(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_rea
     o_tile = o_smem.index(which)
     s_unused = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)  # use_acc=False ignores it
 
-    i_b, i_hq, row_start = _tile_coords(tile, nheads_q, seqlen_q, tiling)
     n_blocks, unmasked_hi = _key_range(row_start, seqlen_q, seqlen_k, tiling)
     my_start = row_start + which * ROWS
     rows = my_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -318,7 +345,7 @@ def _consumer(which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, 
     """One warpgroup: the CTA's tiles, in the producer's order."""
     buffers = (which, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                Lse, stride_lb, stride_lh, Sinks)
-    _walk_tiles(_consume_tile, buffers, (nheads_q, seqlen_q, seqlen_k, qk_scale, tiling), batch, nheads_q, seqlen_q,
+    _walk_tiles(_consume_tile, buffers, (seqlen_q, seqlen_k, qk_scale, tiling), batch, nheads_q, seqlen_q,
                 tiling)
     tma.store_wait(0)
 
@@ -389,10 +416,14 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     num_consumers = CONSUMERS[head_dim]
-    tiles = -(-seqlen_q // (num_consumers * ROWS)) * nheads_q * batch  # ceil division on Python ints
-    walks = persistent(causal, seqlen_k)
+    m_blocks = -(-seqlen_q // (num_consumers * ROWS))  # ceil division on Python ints
+    walks = persistent(causal, seqlen_k, head_dim)
+    if walks:  # units of one tile, or of two under causal masking (_units_per_head)
+        grid = programs((m_blocks + 1) // 2 * nheads_q * batch if causal else m_blocks * nheads_q * batch, q.device)
+    else:
+        grid = m_blocks * nheads_q * batch
     plans.launch(
-        plan, _attn_fwd_sm90_kernel, (programs(tiles, q.device) if walks else tiles, ),
+        plan, _attn_fwd_sm90_kernel, (grid, ),
         q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         Sinks=lse if learnable_sink is None else learnable_sink, batch=batch, nheads_q=nheads_q,
@@ -402,12 +433,14 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     )
 
 
-def persistent(causal: bool, seqlen_k: int) -> bool:
-    """Whether the grid is persistent: for full attention over at most ``PERSISTENT_MAX_KEYS`` keys, where a
-    tile's few key blocks left its Q load and O store exposed. Longer tiles gained nothing, and causal
-    tiles of unequal lengths need the hardware's dynamic scheduling of a CTA per tile, since a static
-    stride over them leaves some CTAs twice the work of others (benchmarks/NOTES.md, fourteenth session)."""
-    return not causal and seqlen_k <= PERSISTENT_MAX_KEYS
+def persistent(causal: bool, seqlen_k: int, head_dim: int) -> bool:
+    """Whether the grid is persistent: over at most ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key
+    blocks left its Q load and O store exposed; longer tiles gained nothing (benchmarks/NOTES.md,
+    fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
+    stride over single tiles left some CTAs twice the work of others. Pairs gained 3-10% at head dim 128
+    and lost 20-35% at 64, where the tile loop spills (fifteenth session; causal calls at 64 over so
+    few keys run the Triton forward anyway)."""
+    return seqlen_k <= PERSISTENT_MAX_KEYS and (not causal or head_dim == 128)
 
 
 def programs(tiles: int, device: torch.device) -> int:
