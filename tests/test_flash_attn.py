@@ -120,6 +120,35 @@ def test_cpu_path_builds_a_bias_free_layout_once_per_key(monkeypatch):
     assert flashtile.cpu._bias_free_layout.cache_info()[:2] == (1, 3)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_path_key_holds_v_head_dim(monkeypatch):
+    # the path of a call without optional tensors is decided once per key; PyTorch's kernel takes no v head dim
+    # but q's, so an MLA call with the same q and k as a fused one must not take its decision
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    flashtile.cpu._bias_free_layout.cache_clear()
+    q, k, v, _ = make_inputs(1, 32, 32, 2, 2, 32, torch.float32, seed=15)
+    v_mla = make_inputs(1, 32, 32, 2, 2, 32, torch.float32, seed=16, head_dim_v=16)[2]
+    with torch.no_grad():
+        for values in (v, v_mla):
+            out = flashtile.flash_attn_func(q, k, values)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2).double() for t in (q, k, values))).transpose(1, 2)
+            torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cpu_path_returns_a_contiguous_lse(monkeypatch, dtype):
+    # the fused path leaves a log-sum-exp that nobody reads as PyTorch's kernel lays it out ([B, Nq, H] in
+    # memory); one the caller asks for comes contiguous, with or without gradients
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _ = make_inputs(2, 24, 24, 4, 4, 32, dtype, seed=17)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            _, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert lse.is_contiguous(), lse.stride()
+
+
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._options import AttentionOptions, AttentionTensors
-from .ops import call_bwd, call_fwd, differentiable, differentiable_fwd, uses_triton
+from .ops import call_bwd, call_fwd, differentiable, differentiable_fwd
 
 SEPARATE, QKV_PACKED, KV_PACKED = "separate", "qkv", "kv"
 
@@ -63,28 +63,28 @@ class FlashAttnFunction(torch.autograd.Function):
         return (None, *grads, None, dbias if bias_grad else None, None, None, None, dsink, None)
 
 
-def attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
-           options: AttentionOptions):
-    """``FlashAttnFunction.apply`` with the same arguments → (out, lse), where a gradient can be asked for
-    and the call is not one that PyTorch's autograd differentiates itself (``ops.differentiable``: the CPU
-    path's fused kernel); else the forward alone, whose result PyTorch's kernel makes differentiable in that
-    case. autograd's Function machinery costs ~20 µs of host time per call on a CPU core, as much as a
-    small call's launch (benchmarks/NOTES.md, "Host time")."""
-    # spelled out, not any() over a generator: this runs on every call
-    wants_grad = torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad)
-                                              or (c is not None and c.requires_grad)
-                                              or (attn_bias is not None and attn_bias.requires_grad)
-                                              or (learnable_sink is not None and learnable_sink.requires_grad))
-    if not (wants_grad and uses_triton(a)):
-        q, k, v = unpack(layout, a, b, c)
-        tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
-                                   cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k, learnable_sink)
-        if not wants_grad:
-            return call_fwd(q, k, v, tensors, options)
-        if differentiable(q, k, v, tensors, options):
-            return differentiable_fwd(q, k, v, tensors, options)
+def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: AttentionOptions):
+    """The call on (a, b, c) in ``layout``, whose views q, k, v its caller unpacked, → (out, lse):
+    ``FlashAttnFunction.apply`` where a gradient can be asked for and the call is not one that PyTorch's
+    autograd differentiates itself (``ops.differentiable``: the CPU path's fused kernel); else the forward
+    alone, whose result PyTorch's kernel makes differentiable in that case. autograd's Function machinery
+    costs ~20 µs of host time per call on a CPU core, as much as a small call's launch (benchmarks/NOTES.md,
+    "Host time")."""
+    bias, sink = tensors.attn_bias, tensors.learnable_sink
+    # spelled out, not any() over a generator: this runs on every call. q, k and v want a gradient where
+    # the inputs they are views of do
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (bias is not None and bias.requires_grad)
+                                              or (sink is not None and sink.requires_grad))
+    if not wants_grad:
+        return call_fwd(q, k, v, tensors, options)
+    if differentiable(q, k, v, tensors, options):
+        return differentiable_fwd(q, k, v, tensors, options)
     if torch.compiler.is_compiling():  # Dynamo refuses one tensor passed twice to a Function: a view stands in
         b = b.view_as(b) if b is not None and b is a else b
         c = c.view_as(c) if c is not None and (c is a or c is b) else c
-    return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q,
-                                   cu_seqlens_k, learnable_sink, options)
+    alibi_slopes, _, dropout_seed, cu_seqlens_q, cu_seqlens_k, _ = tensors
+    if cu_seqlens_k is cu_seqlens_q:
+        cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same" (Dynamo refuses one tensor passed twice)
+    return FlashAttnFunction.apply(layout, a, b, c, alibi_slopes, bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
+                                   sink, options)

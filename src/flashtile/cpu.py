@@ -1,4 +1,5 @@
-"""The CPU path's fast case: PyTorch's own fused CPU attention, where its semantics are flashtile's.
+"""The CPU path (:func:`attention_forward`, :func:`attention_backward`): PyTorch's own fused CPU attention
+where its semantics are flashtile's, ``flashtile.reference``'s tiled algorithm everywhere else.
 
 PyTorch's flash-attention CPU kernel (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its
 backward; what ``scaled_dot_product_attention`` runs on a CPU) computes the same online softmax,
@@ -25,7 +26,7 @@ short sequences runs in float32, which PyTorch computes faster there (:data:`SHO
 that runs both ways in the inputs' own dtype takes its gradients from PyTorch's autograd of the kernel
 (:func:`differentiable_applies`). GQA/MQA run
 without K/V copies where the mask allows (:class:`_Layout`).
-Everything else runs ``flashtile.reference``'s tiled algorithm.
+Everything else runs ``flashtile.reference``'s tiled algorithm (O(N) memory).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import functools
 import torch
 
 from . import reference
-from ._options import AttentionOptions, AttentionTensors
+from ._options import NO_TENSORS, AttentionOptions, AttentionTensors
 
-__all__ = ["differentiable_applies", "fused_applies", "fused_attention_backward", "fused_attention_forward",
-           "varlen_attention_backward", "varlen_attention_forward"]
+__all__ = ["attention_backward", "attention_forward", "differentiable_applies", "fused_applies",
+           "fused_attention_backward", "fused_attention_forward", "varlen_attention_backward",
+           "varlen_attention_forward"]
 
 # the forward through its torch binding: ~2 µs a call less than the operator handle (which the
 # backward, with no binding, keeps)
@@ -48,21 +50,22 @@ _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.
 
 def _pytorch_causal(options: AttentionOptions, seqlen_q: int, seqlen_k: int) -> bool | None:
     """PyTorch's ``is_causal`` (top-left) that gives flashtile's mask, or None if none does."""
-    if options.window == (-1, -1) or (options.window == (-1, 0) and seqlen_q == 1):
+    window = options.window
+    if window == (-1, -1) or (window == (-1, 0) and seqlen_q == 1):
         return False
-    if options.window == (-1, 0) and seqlen_q == seqlen_k:
+    if window == (-1, 0) and seqlen_q == seqlen_k:
         return True
     return None
 
 
-def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
-                  tensors: AttentionTensors, bias_grad: bool = False) -> bool:
-    """Whether this module computes the call: q [B, Nq, Hq, D], k [B, Nk, Hk, D] that PyTorch's fused
-    kernel computes exactly — an additive bias included (SDPA's attn_mask: added to the scaled
-    scores in both), unless its gradient is wanted —, or a packed batch (total, H, D) of full or
+def fused_applies(q_shape, k_shape, head_dim_v: int, options: AttentionOptions, tensors: AttentionTensors,
+                  bias_grad: bool = False) -> bool:
+    """Whether this module's fused path computes a call of q [B, Nq, Hq, D], k [B, Nk, Hk, D] (their shapes)
+    that PyTorch's fused kernel computes exactly — an additive bias included (SDPA's attn_mask: added to the
+    scaled scores in both), unless its gradient is wanted —, or a packed batch (total, H, D) of full or
     causal attention without variants (:func:`varlen_attention_forward` picks the path per sequence).
     The kernel needs v's head dim to be q's."""
-    if v.shape[-1] != q.shape[-1]:
+    if head_dim_v != q_shape[-1]:
         return False
     # spelled out, not any() over a generator: this runs on every call
     if (tensors.alibi_slopes is not None or tensors.dropout_seed is not None or tensors.learnable_sink is not None
@@ -70,7 +73,7 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         return False
     if tensors.is_varlen:
         return tensors.attn_bias is None and options.window in ((-1, -1), (-1, 0))
-    causal = _pytorch_causal(options, q.shape[1], k.shape[1])
+    causal = _pytorch_causal(options, q_shape[1], k_shape[1])
     if tensors.attn_bias is not None:
         # with a causal mask on top, a row that the bias leaves without a visible key would not be
         # told apart from one the bias empties (see fused_attention_forward's log-sum-exp)
@@ -103,7 +106,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     stride in the head dim: PyTorch's kernel assumes it (SDPA copies such inputs before calling it), and
     read a head dim sliced with a step, transposed or expanded as if it were contiguous."""
     t = t if t.dtype == dtype else t.to(dtype)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if t.stride()[-1] == 1 else t.contiguous()  # stride() whole: ~50 ns less than stride(-1)
 
 
 def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -126,7 +129,7 @@ def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op
     if not (_compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=False) == q.dtype
             == _compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=True)):
         return False
-    return fused_applies(q, k, v, options, tensors, bias_grad=bias is not None and bias.requires_grad)
+    return fused_applies(q_shape, k_shape, v.shape[-1], options, tensors, _wants_grad(bias))
 
 
 class _Layout:
@@ -176,8 +179,9 @@ class _Layout:
     def output(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The kernel's out [B, H, rows, Dv] → [B, Nq, Hq, Dv] contiguous in ``dtype``, with one copy at most
         (the kernel lays its out as [B, rows, H, Dv] in memory: unfolded rows are a permutation of it)."""
-        if not self.fold:
-            return _as(out.transpose(1, 2), dtype).contiguous()
+        if not self.fold:  # .contiguous() gives the head dim unit stride: no _as
+            out = out.transpose(1, 2)
+            return (out if out.dtype == dtype else out.to(dtype)).contiguous()
         # [B, Hk, G·Nq, Dv] → [B, Nq, Hk, G, Dv]: query head h = hk·G + g
         unfolded = out.unflatten(2, (self.group, self.seqlen_q)).permute(0, 3, 1, 2, 4)
         if dtype == out.dtype:  # the one copy (a reshape alone can return a strided view of the kernel's out)
@@ -195,37 +199,120 @@ class _Layout:
         return t.unflatten(1, (self.nheads_k, self.group)).sum(2) if self.group > 1 and not self.fold else t
 
 
-# a bias-free layout depends on the call's dtype, shapes and options only, and a layer's calls repeat one
-# such key: built once per key, not per call (~1 µs of a CPU core a call, about twice that after a kernel)
-_bias_free_layout = functools.lru_cache(maxsize=256)(_Layout)
+@functools.lru_cache(maxsize=256)
+def _bias_free_layout(dtype: torch.dtype, q_shape, k_shape, head_dim_v: int, options: AttentionOptions,
+                      backward: bool) -> _Layout | None:
+    """The :class:`_Layout` of a call without optional tensors (no bias, no variant, not packed) of this key,
+    or None where PyTorch's kernel does not compute such a call (:func:`fused_applies`). It depends on the
+    key alone, and a layer's calls repeat one key: decided and built once per key, not per call (~2 µs of a
+    CPU core a call, more after a kernel has run)."""
+    if not fused_applies(q_shape, k_shape, head_dim_v, options, NO_TENSORS):
+        return None
+    return _Layout(dtype, q_shape, k_shape, options, None, backward)
 
 
-def _layout(q: torch.Tensor, k: torch.Tensor, options: AttentionOptions, bias, backward: bool = False) -> _Layout:
-    """The call's :class:`_Layout`: the one of its key where it has no bias, else its own."""
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions, bias,
+            backward: bool = False) -> _Layout:
+    """The :class:`_Layout` of a call :func:`fused_applies` accepts: the one of its key where it has no bias
+    (the call then has no optional tensor: the fused kernel takes none but the bias), else its own."""
     if bias is None:
-        return _bias_free_layout(q.dtype, q.shape, k.shape, options, None, backward)
+        return _bias_free_layout(q.dtype, q.shape, k.shape, v.shape[-1], options, backward)
     return _Layout(q.dtype, q.shape, k.shape, options, bias, backward)
+
+
+def _wants_grad(t) -> bool:
+    # inside autograd.Function.forward grad mode is off, but a leaf that will want its gradient
+    # still says so: then the backward needs the bias gradient, which the fused kernel lacks
+    return t is not None and t.requires_grad
+
+
+def attention_forward(q, k, v, options: AttentionOptions, tensors: AttentionTensors):
+    """The CPU path's forward of a call with something to attend → (out, lse): PyTorch's kernel where
+    :func:`fused_applies` accepts the call, else the tiled reference. Layouts as ``flashtile.ops``'."""
+    bias = tensors.attn_bias
+    # spelled out: this runs on every call
+    if (bias is None and tensors.alibi_slopes is None and tensors.dropout_seed is None
+            and tensors.learnable_sink is None and not tensors.is_varlen):
+        # no optional tensor: the path and the layout are its key's, decided once per key
+        layout = _bias_free_layout(q.dtype, q.shape, k.shape, v.shape[-1], options, False)
+        if layout is not None:
+            return _fused_forward(q, k, v, options, layout, None)
+    elif fused_applies(q.shape, k.shape, v.shape[-1], options, tensors, _wants_grad(bias)):
+        if tensors.is_varlen:
+            return varlen_attention_forward(q, k, v, options, tensors)
+        return fused_attention_forward(q, k, v, options, bias)
+    if tensors.is_varlen:
+        out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+                                                            learnable_sink=tensors.learnable_sink,
+                                                            **_reference_arguments(options, tensors))
+        return out, lse.float()
+    out, lse = reference.tiled_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 learnable_sink=tensors.learnable_sink,
+                                                 **_reference_arguments(options, tensors))
+    return out.transpose(1, 2).contiguous(), lse.float()
+
+
+def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tensors: AttentionTensors, dq, dk, dv,
+                       bias_grad: bool):
+    """The CPU path's backward of a call with something to attend: writes dq, dk, dv; → the bias gradient
+    where ``bias_grad``, else None. PyTorch's kernel where :func:`fused_applies` accepts the call (its
+    sink aside: the log-sum-exp that P is rebuilt from includes it), else the tiled reference."""
+    if fused_applies(q.shape, k.shape, v.shape[-1], options, tensors._replace(learnable_sink=None), bias_grad):
+        if tensors.is_varlen:
+            grads = varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
+        else:
+            grads = fused_attention_backward(dout, q, k, v, out, lse, options, tensors.attn_bias)
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+        return None
+    if tensors.is_varlen:
+        grads = reference.tiled_varlen_attention_backward(
+            q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
+            **_reference_arguments(options, tensors),
+        )
+        for buffer, grad in zip((dq, dk, dv), grads):
+            buffer.copy_(grad)
+        return None
+    *grads, dbias = reference.tiled_attention_backward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
+        **_reference_arguments(options, tensors),
+    )
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad.transpose(1, 2))
+    return dbias.to(tensors.attn_bias.dtype) if bias_grad else None
+
+
+def _reference_arguments(options: AttentionOptions, tensors: AttentionTensors) -> dict:
+    seed = tensors.dropout_seed
+    return dict(softmax_scale=options.softmax_scale, window_size=options.window, softcap=options.softcap,
+                alibi_slopes=tensors.alibi_slopes, attn_bias=tensors.attn_bias, dropout_p=options.dropout_p,
+                dropout_seed=int(seed.item()) if seed is not None else None)
 
 
 def fused_attention_forward(q, k, v, options: AttentionOptions, bias=None):
     """→ (out like q, lse [B, Hq, Nq] float32, natural log), for a call :func:`fused_applies` accepts.
-    A row that a bias leaves no key gets output 0, as flashtile's, and log-sum-exp −inf (PyTorch's
-    kernel reports 0 there) where the caller reads it (``options.returns_lse``): the backward rebuilds
-    such a row's P as 0 from either, and the check costs five tensor operations a call."""
-    layout = _layout(q, k, options, bias)
+    The lse is contiguous where the caller reads it (``options.returns_lse``), else left as the kernel lays
+    it out ([B, Nq, Hq] in memory, where it is not folded): unread but by a backward, which takes any
+    layout, it is not worth a copy (~1.7 µs of a small call). A row that a bias leaves no key gets output 0,
+    as flashtile's, and log-sum-exp −inf (PyTorch's kernel reports 0 there) where the caller reads it: the
+    backward rebuilds such a row's P as 0 from either, and the check costs five tensor operations a call."""
+    return _fused_forward(q, k, v, options, _layout(q, k, v, options, bias), bias)
+
+
+def _fused_forward(q, k, v, options: AttentionOptions, layout: _Layout, bias):
     out, lse = _FORWARD(layout.rows(q), layout.keys(k), layout.keys(v), 0.0, layout.causal,
                         attn_mask=layout.bias, scale=options.softmax_scale)
-    # contiguous, as the operator's fake implementation declares it (torch.compile checks): the kernel's lse
-    # is laid out [B, rows, H] in memory
-    lse = layout.unfold_rows(lse).contiguous()
-    if bias is not None and options.returns_lse:
-        lse = lse.masked_fill(torch.isneginf(bias).all(-1).expand(lse.shape), float("-inf"))
+    lse = layout.unfold_rows(lse)
+    if options.returns_lse:
+        lse = lse.contiguous()
+        if bias is not None:
+            lse = lse.masked_fill(torch.isneginf(bias).all(-1).expand(lse.shape), float("-inf"))
     return layout.output(out, q.dtype), lse
 
 
 def fused_attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, bias=None):
     """→ (dq, dk, dv) in the inputs' layouts (in the compute dtype), P rebuilt from ``lse``."""
-    layout = _layout(q, k, options, bias, backward=True)
+    layout = _layout(q, k, v, options, bias, backward=True)
     # a row that sees no key: any finite lse rebuilds its P as 0 (its scores are −inf), −inf would give NaN
     lse = lse.masked_fill(torch.isneginf(lse), 0.0).contiguous()
     dq, dk, dv = _BACKWARD(layout.rows(dout), layout.rows(q), layout.keys(k), layout.keys(v), layout.rows(out),

@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 
 from . import _validate, ops, reference
-from ._options import AttentionOptions
-from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, attend, unpack
+from ._options import AttentionOptions, AttentionTensors
+from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, attend
 
 __all__ = [
     "attention",
@@ -88,30 +88,32 @@ def _with_options_doc(function):
 
 def _attend(layout, a, b, c, q, k, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
             deterministic=False, learnable_sink=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0, return_attn_probs=False):
-    """Shared tail of every public function; q and k are views for shapes (heads on dim −2)."""
-    varlen = cu_seqlens_q is not None
-    batch = cu_seqlens_q.numel() - 1 if varlen else q.shape[0]
+            max_seqlen_q=0, max_seqlen_k=0, return_attn_probs=False, v=None):
+    """Shared tail of every public function; q, k and ``v`` are the inputs (a, b, c) unpacked by ``layout``
+    (views, heads on dim −2), unpacked once a call by the public function that checked them: a packed
+    layout passes its v, a separate one's is c."""
+    v = c if v is None else v
     options = _validate.attention_options(q.shape[-1], softmax_scale, causal, window_size, softcap, dropout_p,
                                           max_seqlen_q, max_seqlen_k, deterministic_asked=deterministic,
                                           returns_lse=return_attn_probs)
-    alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
-    learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
+    # an absent optional tensor costs no call: this runs on every call
+    if alibi_slopes is not None:
+        batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+        alibi_slopes = _validate.check_alibi(alibi_slopes, batch, q.shape[-2], q.device)
+    if learnable_sink is not None:
+        learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     dropout_seed = None
     if options.dropout_p > 0:
         dropout_seed = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=q.device)
-    if cu_seqlens_k is cu_seqlens_q:
-        cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same"
-    out, lse = attend(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                      learnable_sink, options)
+    tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
+    out, lse = attend(layout, a, b, c, q, k, v, tensors, options)
     if not return_attn_probs:
         return out
     probs = None
     if options.dropout_p > 0:
-        v = unpack(layout, a, b, c)[2]
-        if varlen:
+        if cu_seqlens_q is not None:
             probs = _varlen_dropout_probs(q, k, v, options, alibi_slopes, learnable_sink, dropout_seed, cu_seqlens_q,
-                                          cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k)
+                                          cu_seqlens_k)
         else:
             probs = _dropout_probs(q, k, v, options, alibi_slopes, learnable_sink, attn_bias, dropout_seed)
     return out, lse, probs
@@ -218,7 +220,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     return _attend(QKV_PACKED, qkv, None, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    deterministic=deterministic, learnable_sink=learnable_sink,
-                   return_attn_probs=return_attn_probs)
+                   return_attn_probs=return_attn_probs, v=v)
 
 
 @_with_options_doc
@@ -242,7 +244,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     return _attend(KV_PACKED, q, kv, None, q, k, softmax_scale=softmax_scale, causal=causal,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    deterministic=deterministic, learnable_sink=learnable_sink,
-                   return_attn_probs=return_attn_probs)
+                   return_attn_probs=return_attn_probs, v=v)
 
 
 @_with_options_doc
@@ -376,7 +378,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
                    max_seqlen_k=max_seqlen, deterministic=deterministic, learnable_sink=learnable_sink,
-                   return_attn_probs=return_attn_probs)
+                   return_attn_probs=return_attn_probs, v=v)
 
 
 @_with_options_doc
@@ -406,7 +408,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, deterministic=deterministic,
-                   learnable_sink=learnable_sink, return_attn_probs=return_attn_probs)
+                   learnable_sink=learnable_sink, return_attn_probs=return_attn_probs, v=v)
 
 
 def attention(

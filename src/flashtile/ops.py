@@ -20,9 +20,9 @@ overhead"). The operators have no autograd kernel, so :func:`attention_forward` 
 leave their gradients None.
 
 Device dispatch (:func:`backend`, :func:`uses_triton`): CUDA tensors run the Triton kernels
-(``flashtile.triton.launch``); CPU tensors run PyTorch's fused CPU attention where its semantics
-are flashtile's (``flashtile.cpu``) and ``flashtile.reference``'s tiled algorithm otherwise (O(N)
-memory), except under ``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the
+(``flashtile.triton.launch``); CPU tensors run the CPU path (``flashtile.cpu``: PyTorch's fused CPU
+attention where its semantics are flashtile's, ``flashtile.reference``'s tiled algorithm otherwise,
+O(N) memory), except under ``TRITON_INTERPRET=1``, where the Triton kernels themselves run on the
 CPU. The KV-cache forward and the merge of partial results dispatch the same way.
 
 Layout (batch, seqlen, nheads, headdim), or (total, nheads, headdim) with ``cu_seqlens``; the
@@ -124,22 +124,12 @@ def _attends_nothing(q, k, tensors: AttentionTensors) -> bool:
     return q.numel() == 0 or k.shape[token_axis] == 0
 
 
-def _reference_arguments(options: AttentionOptions, tensors: AttentionTensors) -> dict:
-    seed = tensors.dropout_seed
-    return dict(softmax_scale=options.softmax_scale, window_size=options.window, softcap=options.softcap,
-                alibi_slopes=tensors.alibi_slopes, attn_bias=tensors.attn_bias, dropout_p=options.dropout_p,
-                dropout_seed=int(seed.item()) if seed is not None else None)
-
-
-def _wants_grad(t) -> bool:
-    # inside autograd.Function.forward grad mode is off, but a leaf that will want its gradient
-    # still says so: then the backward needs the bias gradient, which the fused CPU kernel lacks
-    return t is not None and t.requires_grad
-
-
 def _fwd(q, k, v, *arguments):
     tensors, options = _fields(arguments)
-    return _forward(q, k, v, _prepared(tensors), options)
+    out, lse = _forward(q, k, v, _prepared(tensors), options)
+    # contiguous, as _fwd_fake declares it (torch.compile checks): the CPU path leaves an lse that its caller
+    # does not read as PyTorch's kernel lays it out (cpu.fused_attention_forward)
+    return out, lse.contiguous()
 
 
 def _forward(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
@@ -152,19 +142,7 @@ def _forward(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
         return q.new_zeros(out_shape(q, v)), lse
     if uses_triton(q):
         return launch.attention_forward(q, k, v, options, tensors)
-    if cpu.fused_applies(q, k, v, options, tensors, bias_grad=_wants_grad(tensors.attn_bias)):
-        if tensors.is_varlen:
-            return cpu.varlen_attention_forward(q, k, v, options, tensors)
-        return cpu.fused_attention_forward(q, k, v, options, tensors.attn_bias)
-    if tensors.is_varlen:
-        out, lse = reference.tiled_varlen_attention_forward(q, k, v, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
-                                                            learnable_sink=tensors.learnable_sink,
-                                                            **_reference_arguments(options, tensors))
-        return out, lse.float()
-    out, lse = reference.tiled_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 learnable_sink=tensors.learnable_sink,
-                                                 **_reference_arguments(options, tensors))
-    return out.transpose(1, 2).contiguous(), lse.float()
+    return cpu.attention_forward(q, k, v, options, tensors)
 
 
 def _fwd_fake(q, k, v, *arguments):
@@ -199,30 +177,7 @@ def _gradients(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors: Attentio
         return (torch.zeros_like(tensors.attn_bias) if bias_grad else None), None
     if uses_triton(q):
         return launch.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad)
-    # the backward needs no sink: the log-sum-exp it rebuilds P from includes it
-    if cpu.fused_applies(q, k, v, options, tensors._replace(learnable_sink=None), bias_grad):
-        if tensors.is_varlen:
-            grads = cpu.varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
-        else:
-            grads = cpu.fused_attention_backward(dout, q, k, v, out, lse, options, tensors.attn_bias)
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.copy_(grad)
-        return None, None
-    if tensors.is_varlen:
-        grads = reference.tiled_varlen_attention_backward(
-            q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
-            **_reference_arguments(options, tensors),
-        )
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.copy_(grad)
-        return None, None
-    *grads, dbias = reference.tiled_attention_backward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
-        **_reference_arguments(options, tensors),
-    )
-    for buffer, grad in zip((dq, dk, dv), grads):
-        buffer.copy_(grad.transpose(1, 2))
-    return (dbias.to(tensors.attn_bias.dtype) if bias_grad else None), None
+    return cpu.attention_backward(dout, q, k, v, out, lse, options, tensors, dq, dk, dv, bias_grad), None
 
 
 def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
@@ -271,8 +226,10 @@ def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: AttentionTensors,
                    options: AttentionOptions) -> bool:
-    """Whether an eager call on the CPU path (the caller has checked :func:`uses_triton`) that wants
-    gradients may leave them to PyTorch's own autograd: where PyTorch's fused kernel computes the call
+    """Whether an eager call that wants gradients may leave them to PyTorch's own autograd: on the CPU path
+    (not :func:`uses_triton`, asked last, as the other answers are pure: the calls that PyTorch's kernel does
+    not compute both ways, short 16-bit ones, read the environment once, in their forward; :func:`_plain_call`
+    first, so that torch.compile traces nothing on shapes here), where PyTorch's fused kernel computes the call
     forward and backward in the inputs' dtype
     (``cpu.differentiable_applies``), its C++ backward node does what ``flashtile.autograd``'s Python
     Function would, with the same kernels, without that Function's host time and its copies of the
@@ -281,8 +238,8 @@ def differentiable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: A
     by zero on empty inputs; the operator gives their zeros). Modes and profilers (:func:`_observed`) do
     not change the answer: the graph a call records must not depend on them (a non-reentrant checkpoint
     recomputes the forward without the mode the first forward ran under, and compares what both saved)."""
-    return (_plain_call(q, k, v) and not _attends_nothing(q, k, tensors)
-            and cpu.differentiable_applies(q, k, v, options, tensors))
+    return (_plain_call(q, k, v) and cpu.differentiable_applies(q, k, v, options, tensors)
+            and not _attends_nothing(q, k, tensors) and not uses_triton(q))
 
 
 def differentiable_fwd(q, k, v, tensors: AttentionTensors, options: AttentionOptions):
