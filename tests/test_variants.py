@@ -209,6 +209,57 @@ def test_cpu_gqa_padding_mask_reaches_the_kernel_unrepeated(monkeypatch):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("case, is_sdpas", [
+    ("padding-gqa", True), ("padding-gqa-grad", False), ("head-mask-gqa", True), ("causal-square", True),
+    ("causal-q1", True), ("causal-q3-k40", False), ("float-mask-grad", False), ("float-mask-other-dtype", False),
+    ("dropout", False), ("sink", False),
+])
+def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, case, is_sdpas):
+    # flashtile.attention on the CPU path hands a call to PyTorch's SDPA where SDPA computes it as flashtile
+    # does (cpu.sdpa_attention): a padded decoding step costs SDPA's time. Bottom-right causal with one
+    # query is SDPA's full attention; the other cases keep flashtile's own path. Either way the result is
+    # flashtile's: checked against the float64 reference.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(args) or sdpa(*args, **kwargs))
+    seqlen_q = {"causal-q1": 1, "causal-q3-k40": 3, "causal-square": 40}.get(case, 3)
+    nheads_k = 2 if "gqa" in case else 8
+    q, k, v, _ = make_inputs(2, seqlen_q, 40, 8, nheads_k, 32, torch.float32, seed=32)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(case.endswith("grad")) for t in (q, k, v))
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., :15] = False
+    kwargs = dict(attn_mask=None, is_causal=case.startswith("causal"))
+    if case.startswith(("padding", "float")):
+        kwargs["attn_mask"] = mask
+    if case == "head-mask-gqa":  # a mask per query head: not the same for a group's heads, so not folded
+        kwargs["attn_mask"] = torch.rand(1, 8, seqlen_q, 40, generator=torch.Generator().manual_seed(3)) > 0.3
+    if case.startswith("float"):
+        bias = torch.zeros(2, 1, 1, 40).masked_fill(~mask, -math.inf) + 0.5
+        kwargs["attn_mask"] = bias.half() if case == "float-mask-other-dtype" else bias.requires_grad_()
+    if case == "dropout":
+        kwargs["dropout_p"] = 0.1
+    if case == "sink":
+        kwargs["learnable_sink"] = torch.zeros(8)
+    out = flashtile.attention(qt, kt, vt, enable_gqa=True, **kwargs)
+    assert (len(calls) == 1) == is_sdpas
+    if case == "dropout":
+        return
+    mask = kwargs["attn_mask"]
+    bias = None if mask is None else (torch.zeros(mask.shape).masked_fill(~mask, -math.inf) if mask.dtype == torch.bool
+                                      else mask.detach().float())
+    group = 8 // nheads_k
+    expected, _, _ = ref.attention_forward(
+        qt.detach().double(), kt.detach().double().repeat_interleave(group, 1),
+        vt.detach().double().repeat_interleave(group, 1), 32 ** -0.5,
+        window_size=(-1, 0) if kwargs["is_causal"] else (-1, -1),
+        attn_bias=None if bias is None else bias.double().expand(2, 8, seqlen_q, 40),
+        learnable_sink=kwargs.get("learnable_sink"))
+    torch.testing.assert_close(out.detach().double(), expected, rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Dropout
 

@@ -371,26 +371,35 @@ def _options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout
 _plain_options = functools.lru_cache(maxsize=1024, typed=True)(_options)
 
 
-def attn_mask_to_bias(attn_mask, q, k):
-    """SDPA's attn_mask (q, k in (batch, nheads, seqlen, headdim)) as an additive bias: bool
-    True = may attend (else −inf), float added as it is."""
+def check_attn_mask(attn_mask, q, k) -> None:
+    """SDPA's attn_mask for q, k in (batch, nheads, seqlen, headdim): None, or a bool or float16/bfloat16/
+    float32 tensor on q's device that broadcasts to (batch, nheads, seqlen_q, seqlen_k)."""
     if attn_mask is None:
-        return None
+        return
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    # broadcastable to exactly `full` (torch.broadcast_shapes says the same at ~60 µs a call)
-    shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(size not in (1, target) for size, target in zip(reversed(shape), reversed(full))):
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+    # broadcastable to exactly `full`: a loop, not torch.broadcast_shapes (~60 µs) or any() over a generator
+    # (~4 µs; this runs on every call)
+    shape = attn_mask.shape
+    broadcasts = len(shape) <= 4
+    for size, target in zip(shape, full[4 - len(shape):] if broadcasts else ()):
+        broadcasts = broadcasts and (size == 1 or size == target)
+    if not broadcasts:
+        raise ValueError(f"attn_mask of shape {tuple(shape)} does not broadcast to "
                          f"(batch, nheads, seqlen_q, seqlen_k) = {full}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
-    if attn_mask.dtype == torch.bool:
-        return torch.full(attn_mask.shape, -math.inf, dtype=q.dtype, device=q.device).masked_fill_(attn_mask, 0.0)
-    if attn_mask.dtype not in FLOAT_DTYPES:
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
         raise TypeError(f"attn_mask must be bool or float16/bfloat16/float32, got {attn_mask.dtype}")
-    return attn_mask
+
+
+def attn_mask_to_bias(attn_mask, q):
+    """A mask :func:`check_attn_mask` accepted as an additive bias: bool True = may attend (else −inf),
+    float added as it is."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.full(attn_mask.shape, -math.inf, dtype=q.dtype, device=q.device).masked_fill_(attn_mask, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ short sequences runs in float32, which PyTorch computes faster there (:data:`SHO
 that runs both ways in the inputs' own dtype takes its gradients from PyTorch's autograd of the kernel
 (:func:`differentiable_applies`). GQA/MQA run
 without K/V copies where the mask allows (:class:`_Layout`).
-Everything else runs ``flashtile.reference``'s tiled algorithm (O(N) memory).
+Everything else runs ``flashtile.reference``'s tiled algorithm (O(N) memory). ``flashtile.attention``,
+SDPA's drop-in, leaves the calls that SDPA computes exactly as this module would to SDPA itself
+(:func:`sdpa_attention`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from . import reference
 from ._options import NO_TENSORS, AttentionOptions, AttentionTensors
 
 __all__ = ["attention_backward", "attention_forward", "differentiable_applies", "fused_applies",
-           "fused_attention_backward", "fused_attention_forward", "varlen_attention_backward",
+           "fused_attention_backward", "fused_attention_forward", "sdpa_attention", "varlen_attention_backward",
            "varlen_attention_forward"]
 
 # the forward through its torch binding: ~2 µs a call less than the operator handle (which the
@@ -79,6 +81,47 @@ def fused_applies(q_shape, k_shape, head_dim_v: int, options: AttentionOptions, 
         # told apart from one the bias empties (see fused_attention_forward's log-sum-exp)
         return not bias_grad and causal is False
     return causal is not None
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, options: AttentionOptions,
+                   learnable_sink) -> torch.Tensor | None:
+    """``flashtile.attention``'s call (q, k, v in SDPA's layout (batch, nheads, seqlen, headdim), its mask
+    and options validated, GQA allowed) computed by PyTorch's ``scaled_dot_product_attention``, or None
+    where that would not compute it exactly as this module does. PyTorch runs the same fused kernel (its
+    bool mask as the −inf bias flashtile forms; a row the mask empties gives 0) behind its own C++ layers
+    instead of flashtile's Python: a padded decoding step in transformers (4 × 8:2 heads, 150 keys) ~21 µs
+    against ~50. Not: dropout (PyTorch draws its own mask) or a sink (not an SDPA argument); a float mask in
+    another dtype than q's (PyTorch refuses it) or whose gradient is wanted (PyTorch's math backend then
+    forms the N² scores), or v's head dim unlike q's (the same; flashtile's tiled path keeps O(N) memory);
+    GQA that wants gradients (PyTorch's node would keep K/V repeated over the group until the backward, see
+    :func:`differentiable_applies`); causal attention with seqlen_q ∉ {1, seqlen_k} (bottom-right against
+    PyTorch's top-left)."""
+    if options.dropout_p != 0 or learnable_sink is not None or v.shape[-1] != q.shape[-1]:
+        return None
+    if attn_mask is not None and attn_mask.dtype != torch.bool and (attn_mask.dtype != q.dtype
+                                                                    or attn_mask.requires_grad):
+        return None
+    batch, nheads_q, seqlen_q, head_dim = q.shape
+    nheads_k = k.shape[1]
+    if nheads_q != nheads_k and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                             or v.requires_grad):
+        return None
+    causal = _pytorch_causal(options, seqlen_q, k.shape[2])
+    if causal is None:
+        return None
+    if attn_mask is not None and attn_mask.dim() < 2:  # SDPA wants (…, seqlen_q, seqlen_k)
+        attn_mask = attn_mask.reshape(1, -1)
+    # GQA as _Layout folds it, where the mask is the same for every query row and head of a group (a padding
+    # mask): each group's query rows against its KV head, with no K/V repeated (~10 µs of a decoding step)
+    if nheads_q != nheads_k and not causal and (attn_mask is None or (
+            attn_mask.shape[-2] == 1 and (attn_mask.dim() == 2 or attn_mask.shape[-3] == 1))):
+        rows = q.reshape(batch, nheads_k, nheads_q // nheads_k * seqlen_q, head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask, 0.0, False,
+                                                               scale=options.softmax_scale)
+        return out.view(batch, nheads_q, seqlen_q, head_dim)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal,
+                                                           scale=options.softmax_scale,
+                                                           enable_gqa=nheads_q != nheads_k)
 
 
 # Up to this many queries and keys, PyTorch's 16-bit CPU backward costs more than its float32 one with

@@ -1,5 +1,6 @@
 """Public functions: thin and documented. Arguments are checked by ``flashtile._validate``;
-the work happens in ``flashtile.autograd``.
+the work happens in ``flashtile.autograd``, but for ``attention`` on the CPU path where PyTorch's own
+``scaled_dot_product_attention`` computes the call exactly (``cpu.sdpa_attention``): that call is PyTorch's.
 
 flash-attn 2's functions (``flash_attn_func`` and its packed and variable-length
 forms) and an SDPA-compatible ``attention``. Arguments shared by all of them:
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validate, ops, reference
+from . import _validate, cpu, ops, reference
 from ._options import AttentionOptions, AttentionTensors
 from .autograd import KV_PACKED, QKV_PACKED, SEPARATE, attend
 
@@ -442,6 +443,10 @@ def attention(
 
     Returns:
         (batch, nheads, seqlen_q, headdim_v) in q's dtype.
+
+    On the CPU path ("cpu", :func:`flashtile.backend`) a call that SDPA computes exactly as flashtile
+    would (no dropout or sink; causal only with seqlen_q = seqlen_k or 1; see ``cpu.sdpa_attention``)
+    is SDPA's own call: the same fused kernel, without flashtile's Python around it.
     """
     _validate.check_qkv(q, k, v, heads_axis=1)
     if q.shape[1] != k.shape[1] and not enable_gqa:
@@ -450,7 +455,14 @@ def attention(
         )
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal cannot both be set (as in SDPA)")
-    bias = _validate.attn_mask_to_bias(attn_mask, q, k)
+    _validate.check_attn_mask(attn_mask, q, k)
+    if not ops.uses_triton(q):  # the CPU path: PyTorch's own SDPA where it computes the call exactly
+        options = _validate.attention_options(q.shape[-1], scale, is_causal, (-1, -1), 0.0, dropout_p,
+                                              returns_lse=False)
+        out = cpu.sdpa_attention(q, k, v, attn_mask, options, learnable_sink)
+        if out is not None:
+            return out
+    bias = _validate.attn_mask_to_bias(attn_mask, q)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     out = _attend(SEPARATE, qt, kt, vt, qt, kt, softmax_scale=scale, causal=is_causal, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, dropout_p=dropout_p, learnable_sink=learnable_sink, attn_bias=bias)
