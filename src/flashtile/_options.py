@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AttentionOptions", "AttentionTensors", "NO_TENSORS", "default_softmax_scale", "fold_causal"]
+__all__ = ["AttentionOptions", "AttentionTensors", "NO_TENSORS", "cache_capacity", "default_softmax_scale",
+           "fold_causal"]
 
 
 def default_softmax_scale(head_dim: int, softmax_scale: float | None = None) -> float:
@@ -30,6 +31,12 @@ def fold_causal(window_size, causal: bool) -> tuple[int, int]:
     """(left, right) of the sliding window with causal folded in: causal sets right = 0."""
     left, right = (int(w) for w in window_size)
     return left, 0 if causal else right
+
+
+def cache_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """The positions a KV cache holds per sequence: a cache row's (batch, seqlen, nheads_k, headdim), or, paged
+    (num_pages, page_size, nheads_k, headdim), its block table's pages per sequence times their size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
 class AttentionOptions(NamedTuple):

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ._options import AttentionOptions, default_softmax_scale, fold_causal
+from ._options import AttentionOptions, cache_capacity, default_softmax_scale, fold_causal
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # a KV cache may also be float8 (with per-(sequence, KV head) scales) under 16-bit queries
@@ -487,13 +487,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise ValueError(f"block_table must be a 2-D (batch, max_blocks) int32 tensor, got "
                              f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
         _check_int32("block_table", block_table, (batch, block_table.shape[1]))
-        capacity = block_table.shape[1] * k_cache.shape[1]
+        capacity = cache_capacity(k_cache, block_table)
     else:
         if cache_batch_idx is not None:
             _check_int32("cache_batch_idx", cache_batch_idx, (batch,))
         elif k_cache.shape[0] != batch:
             raise ValueError(f"batch sizes differ: {shapes()}; pass cache_batch_idx to use other cache rows")
-        capacity = k_cache.shape[1]
+        capacity = cache_capacity(k_cache, None)
     for name, t in ((seqlens_name, cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:

@@ -41,6 +41,7 @@ import math
 import torch
 
 from . import _validate, ops, reference
+from ._options import cache_capacity
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -142,7 +143,7 @@ def flash_attn_with_kvcache(
     if packed:  # the packed rule (reference.packed_rows), read by the rotary positions, append and attention
         cu_seqlens_q = reference.nondecreasing(cu_seqlens_q)
     nheads_q, head_dim = q.shape[-2:]
-    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     options = _validate.kvcache_options(head_dim, softmax_scale, causal, window_size, softcap, capacity)
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._options import cache_capacity
 from .attention import attention_forward
 from .varlen import packed_rows
 
@@ -64,7 +65,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, seqlens_k, cache_batch_idx=
                                                    softcap=softcap, learnable_sink=learnable_sink), alibi_slopes,
                                cache_leftpad, k_descale, v_descale)
     batch, _, nheads_q, _ = q.shape
-    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     outs, lses = [], []
     for b in range(batch):
         seqlen = min(max(int(seqlens_k[b]), 0), capacity)  # as the kernel clamps it
@@ -134,7 +135,7 @@ def kvcache_append_reference(k_cache, v_cache, k, v, cache_seqlens, cache_batch_
         v = (v.float() / v_descale[:, None, :, None]).clamp(-limit, limit).to(v_cache.dtype)
     batch, seqlen_new = k.shape[:2]
     cache_rows, page_size = k_cache.shape[:2]
-    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
+    capacity = cache_capacity(k_cache, block_table)
     positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)  # [B, Sn]
     valid = (positions >= 0) & (positions < capacity)
     positions = positions.where(valid, 0)

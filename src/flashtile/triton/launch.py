@@ -34,7 +34,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import gluon
-from .._options import AttentionOptions, AttentionTensors
+from .._options import AttentionOptions, AttentionTensors, cache_capacity
 from .._validate import MAX_HEAD_DIM
 from . import _interpreter, configs, plans
 from ._host import cdiv, cuda_properties, launch_device, next_power_of_2
@@ -496,7 +496,7 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
                                 k_descale, rotary_cos, config):
             plan = plans.LaunchPlan(prefill=True)
         else:
-            max_seqlen_k = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+            max_seqlen_k = cache_capacity(k_cache, block_table)
             cfg, num_m_blocks, splits = split_plan(batch, seqlen_q, nheads_q // k_cache.shape[2], k_cache.shape[2],
                                                    max(head_dim, head_dim_v), q.dtype, max_seqlen_k, q.device,
                                                    num_splits, config, k_cache.dtype)
@@ -564,7 +564,7 @@ def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, sequse
     call = (q, k_cache, v_cache, out, lse, seqused_k, block_table, alibi_slopes, learnable_sink, cu_seqlens_q)
 
     def record(plan: plans.LaunchPlan) -> None:
-        batch, capacity = block_table.shape[0], block_table.shape[1] * k_cache.shape[1]
+        batch, capacity = block_table.shape[0], cache_capacity(k_cache, block_table)
         tensors = AttentionTensors(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_q,  # a stand-in: IS_PAGED replaces the key bounds
                                    learnable_sink=learnable_sink)
@@ -600,7 +600,7 @@ def _record_kvcache_attention(plan: plans.LaunchPlan, q, k_cache, v_cache, out_p
     varlen, paged = cu_seqlens_q is not None, block_table is not None
     head_dim_v = v_cache.shape[-1]
     nheads_k = k_cache.shape[2]
-    max_seqlen_k = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    max_seqlen_k = cache_capacity(k_cache, block_table)
     softcap = options.softcap
     chunk, padded_v = configs.decode_chunk_d(head_dim), configs.block_d(head_dim_v)
     wide = wide_offsets(q=q, k_cache=k_cache, v_cache=v_cache, out=out_part, lse=lse_part)
@@ -691,7 +691,7 @@ def _record_kvcache_append(plan: plans.LaunchPlan, k_cache, v_cache, k, v, cache
     else:
         batch, seqlen_new, nheads_k, head_dim = k.shape
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     block_s = min(64, next_power_of_2(seqlen_new))
     plans.launch(
         plan, kvcache_append_kernel, (cdiv(seqlen_new, block_s), nheads_k, batch),
