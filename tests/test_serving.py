@@ -364,22 +364,26 @@ def test_rotary_with_a_window_as_long_as_the_cache_is_not_local(backend):
 def test_rotary_and_leftpad_validation():
     q = torch.zeros(1, 1, 2, 16, device=DEVICE)
     cache = torch.zeros(1, 8, 1, 16, device=DEVICE)
+    new = dict(k=torch.zeros(1, 1, 1, 16, device=DEVICE), v=torch.zeros(1, 1, 1, 16, device=DEVICE), cache_seqlens=0)
+    with pytest.raises(ValueError, match="pass k and v to append as well"):  # flash-attn 2 refuses it too
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE),
+                                          rotary_sin=torch.zeros(8, 4, device=DEVICE))
     with pytest.raises(ValueError, match=r"rotary_dim = 2 · 9 must be in 1..headdim \(16\)"):
         flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 9, device=DEVICE),
-                                          rotary_sin=torch.zeros(8, 9, device=DEVICE))
+                                          rotary_sin=torch.zeros(8, 9, device=DEVICE), **new)
     with pytest.raises(ValueError, match="must share one shape"):
         flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE),
-                                          rotary_sin=torch.zeros(7, 4, device=DEVICE))
+                                          rotary_sin=torch.zeros(7, 4, device=DEVICE), **new)
     wide = torch.zeros(1, 8, 1, 288, device=DEVICE)
     with pytest.raises(ValueError, match="rotary embeddings take head dims up to 256"):
-        flashtile.flash_attn_with_kvcache(wide[:, :1].expand(1, 1, 2, 288), wide, wide,
-                                          rotary_cos=torch.zeros(8, 4, device=DEVICE),
+        flashtile.flash_attn_with_kvcache(wide[:, :1].expand(1, 1, 2, 288), wide, wide, wide[:, :1], wide[:, :1],
+                                          cache_seqlens=0, rotary_cos=torch.zeros(8, 4, device=DEVICE),
                                           rotary_sin=torch.zeros(8, 4, device=DEVICE))
     with pytest.raises(ValueError, match="need a row for each of the KV cache's 8 positions"):
         flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(7, 4, device=DEVICE),
-                                          rotary_sin=torch.zeros(7, 4, device=DEVICE))
+                                          rotary_sin=torch.zeros(7, 4, device=DEVICE), **new)
     with pytest.raises(TypeError, match="rotary_sin must be a float tensor"):
-        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE))
+        flashtile.flash_attn_with_kvcache(q, cache, cache, rotary_cos=torch.zeros(8, 4, device=DEVICE), **new)
     with pytest.raises(TypeError, match="cache_leftpad must be int32"):
         flashtile.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, device=DEVICE))
     with pytest.raises(NotImplementedError, match="cache_leftpad cannot be combined with block_table"):

@@ -205,13 +205,17 @@ def check_alibi(alibi_slopes, batch: int, nheads: int, device):
     return alibi_slopes.contiguous()
 
 
-def check_rotary(rotary_cos, rotary_sin, head_dim: int, device, capacity: int) -> None:
-    """rotary_cos and rotary_sin: together or not at all, float tensors of one shape (seqlen_ro,
-    rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim ≤ 256, with a row for each of the
-    cache's ``capacity`` positions (flash-attn 2's rule: the kernels would clamp a position past the
+def check_rotary(rotary_cos, rotary_sin, head_dim: int, device, capacity: int, appends: bool) -> None:
+    """rotary_cos and rotary_sin: together or not at all, only with new k and v to append (``appends``:
+    they rotate q and the new keys; flash-attn 2 refuses them without), float tensors of one shape
+    (seqlen_ro, rotary_dim / 2) on the inputs' device, rotary_dim ≤ headdim ≤ 256, with a row for each of
+    the cache's ``capacity`` positions (flash-attn 2's rule: the kernels would clamp a position past the
     table to its last row)."""
     if rotary_cos is None and rotary_sin is None:
         return
+    if not appends:
+        raise ValueError("rotary_cos and rotary_sin rotate q and the new keys: pass k and v to append as well "
+                         "(as flash-attn 2 requires), or rotate q yourself")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got "

@@ -145,7 +145,7 @@ def flash_attn_with_kvcache(
     nheads_q, head_dim = q.shape[-2:]
     capacity = cache_capacity(k_cache, block_table)
     options = _validate.kvcache_options(head_dim, softmax_scale, causal, window_size, softcap, capacity)
-    _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity)
+    _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity, appends=k is not None)
     cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
     out = _validate.check_out(out, ops.out_shape(q, v_cache), q.dtype, q.device)
