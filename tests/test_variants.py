@@ -213,7 +213,8 @@ def test_cpu_gqa_padding_mask_reaches_the_kernel_unrepeated(monkeypatch):
 @pytest.mark.parametrize("case, is_sdpas", [
     ("padding-gqa", True), ("padding-gqa-grad", False), ("head-mask-gqa", True), ("causal-square", True),
     ("causal-q1", True), ("causal-q3-k40", False), ("float-mask-grad", False), ("float-mask-other-dtype", False),
-    ("dropout", False), ("sink", False),
+    ("dropout", False), ("sink", False), ("padding-bf16-grad", False), ("long-bf16-grad", True),
+    ("short-bf16-grad", False),
 ])
 def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, case, is_sdpas):
     # flashtile.attention on the CPU path hands a call to PyTorch's SDPA where SDPA computes it as flashtile
@@ -227,7 +228,12 @@ def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, cas
                         lambda *args, **kwargs: calls.append(args) or sdpa(*args, **kwargs))
     seqlen_q = {"causal-q1": 1, "causal-q3-k40": 3, "causal-square": 40}.get(case, 3)
     nheads_k = 2 if "gqa" in case else 8
-    q, k, v, _ = make_inputs(2, seqlen_q, 40, 8, nheads_k, 32, torch.float32, seed=32)
+    # 16-bit calls that want gradients stay SDPA's only where flashtile's backward runs in 16 bits too: no
+    # mask, sequences longer than cpu.SHORT_BACKWARD_SEQLEN
+    seqlen_k = 200 if case.startswith("long") else 40
+    seqlen_q = 200 if case.startswith("long") else seqlen_q
+    dtype = torch.bfloat16 if "bf16" in case else torch.float32
+    q, k, v, _ = make_inputs(2, seqlen_q, seqlen_k, 8, nheads_k, 32, dtype, seed=32)
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(case.endswith("grad")) for t in (q, k, v))
     mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     mask[0, ..., :15] = False
@@ -257,7 +263,9 @@ def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, cas
         window_size=(-1, 0) if kwargs["is_causal"] else (-1, -1),
         attn_bias=None if bias is None else bias.double().expand(2, 8, seqlen_q, 40),
         learnable_sink=kwargs.get("learnable_sink"))
-    torch.testing.assert_close(out.detach().double(), expected, rtol=0, atol=1e-5)
+    # float32: the kernels' error; bfloat16: one rounding of outputs below 1 in magnitude (2⁻⁸) on top
+    atol = 1e-5 if dtype == torch.float32 else 2 ** -8 + 1e-5
+    torch.testing.assert_close(out.detach().double(), expected, rtol=0, atol=atol)
 
 
 # ----------------------------------------------------------------------------------------------

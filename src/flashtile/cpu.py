@@ -94,7 +94,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask,
     another dtype than q's (PyTorch refuses it) or whose gradient is wanted (PyTorch's math backend then
     forms the N² scores), or v's head dim unlike q's (the same; flashtile's tiled path keeps O(N) memory);
     GQA that wants gradients (PyTorch's node would keep K/V repeated over the group until the backward, see
-    :func:`differentiable_applies`); causal attention with seqlen_q ∉ {1, seqlen_k} (bottom-right against
+    :func:`differentiable_applies`), or gradients that flashtile computes in float32 (:func:`_compute_dtype`);
+    causal attention with seqlen_q ∉ {1, seqlen_k} (bottom-right against
     PyTorch's top-left)."""
     if options.dropout_p != 0 or learnable_sink is not None or v.shape[-1] != q.shape[-1]:
         return None
@@ -103,9 +104,13 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask,
         return None
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k = k.shape[1]
-    if nheads_q != nheads_k and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                             or v.requires_grad):
-        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # flashtile's backward runs in float32 where its 16-bit one loses accuracy or speed (_compute_dtype: a
+        # mask, short sequences); SDPA's would run in q's dtype
+        q_shape, k_shape = (batch, seqlen_q, nheads_q, head_dim), (batch, k.shape[2], nheads_k, head_dim)
+        if nheads_q != nheads_k or _compute_dtype(q.dtype, q_shape, k_shape, options, attn_mask,
+                                                  backward=True) != q.dtype:
+            return None
     causal = _pytorch_causal(options, seqlen_q, k.shape[2])
     if causal is None:
         return None
