@@ -94,7 +94,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask,
     another dtype than q's (PyTorch refuses it) or whose gradient is wanted (PyTorch's math backend then
     forms the N² scores), or v's head dim unlike q's (the same; flashtile's tiled path keeps O(N) memory);
     GQA that wants gradients (PyTorch's node would keep K/V repeated over the group until the backward, see
-    :func:`differentiable_applies`), or gradients that flashtile computes in float32 (:func:`_compute_dtype`);
+    :func:`differentiable_applies`), or gradients that flashtile computes in float32 (:func:`_differentiated_alike`);
     causal attention with seqlen_q ∉ {1, seqlen_k} (bottom-right against
     PyTorch's top-left)."""
     if options.dropout_p != 0 or learnable_sink is not None or v.shape[-1] != q.shape[-1]:
@@ -104,13 +104,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask,
         return None
     batch, nheads_q, seqlen_q, head_dim = q.shape
     nheads_k = k.shape[1]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # flashtile's backward runs in float32 where its 16-bit one loses accuracy or speed (_compute_dtype: a
-        # mask, short sequences); SDPA's would run in q's dtype
-        q_shape, k_shape = (batch, seqlen_q, nheads_q, head_dim), (batch, k.shape[2], nheads_k, head_dim)
-        if nheads_q != nheads_k or _compute_dtype(q.dtype, q_shape, k_shape, options, attn_mask,
-                                                  backward=True) != q.dtype:
-            return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad) and not (
+            _differentiated_alike(q.dtype, (batch, seqlen_q, nheads_q, head_dim),
+                                  (batch, k.shape[2], nheads_k, head_dim), options, attn_mask)):
+        return None
     causal = _pytorch_causal(options, seqlen_q, k.shape[2])
     if causal is None:
         return None
@@ -171,13 +168,18 @@ def differentiable_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op
     repeated over the group (+44% and +78% of a Llama-style layer's saved tensors, found by a review),
     and hand back gradients in the folded layout."""
     bias = tensors.attn_bias
-    q_shape, k_shape = q.shape, k.shape
-    if tensors.is_varlen or q_shape[2] != k_shape[2]:
+    if tensors.is_varlen or not _differentiated_alike(q.dtype, q.shape, k.shape, options, bias):
         return False
-    if not (_compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=False) == q.dtype
-            == _compute_dtype(q.dtype, q_shape, k_shape, options, bias, backward=True)):
-        return False
-    return fused_applies(q_shape, k_shape, v.shape[-1], options, tensors, _wants_grad(bias))
+    return fused_applies(q.shape, k.shape, v.shape[-1], options, tensors, _wants_grad(bias))
+
+
+def _differentiated_alike(dtype: torch.dtype, q_shape, k_shape, options: AttentionOptions, bias) -> bool:
+    """Whether PyTorch's autograd of its fused kernel differentiates a call of these shapes (q [B, Nq, Hq, D],
+    k [B, Nk, Hk, D]) as flashtile's backward would (:func:`differentiable_applies` says why): as many K/V
+    heads as query heads, and both directions in the inputs' own dtype (:func:`_compute_dtype`)."""
+    return q_shape[2] == k_shape[2] and (
+        _compute_dtype(dtype, q_shape, k_shape, options, bias, backward=False) == dtype
+        == _compute_dtype(dtype, q_shape, k_shape, options, bias, backward=True))
 
 
 class _Layout:
@@ -305,29 +307,27 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
     """The CPU path's backward of a call with something to attend: writes dq, dk, dv; → the bias gradient
     where ``bias_grad``, else None. PyTorch's kernel where :func:`fused_applies` accepts the call (its
     sink aside: the log-sum-exp that P is rebuilt from includes it), else the tiled reference."""
+    dbias = None
     if fused_applies(q.shape, k.shape, v.shape[-1], options, tensors._replace(learnable_sink=None), bias_grad):
         if tensors.is_varlen:
             grads = varlen_attention_backward(dout, q, k, v, out, lse, options, tensors)
         else:
             grads = fused_attention_backward(dout, q, k, v, out, lse, options, tensors.attn_bias)
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.copy_(grad)
-        return None
-    if tensors.is_varlen:
+    elif tensors.is_varlen:
         grads = reference.tiled_varlen_attention_backward(
             q, k, v, out, lse, dout, tensors.cu_seqlens_q, tensors.cu_seqlens_k,
             **_reference_arguments(options, tensors),
         )
-        for buffer, grad in zip((dq, dk, dv), grads):
-            buffer.copy_(grad)
-        return None
-    *grads, dbias = reference.tiled_attention_backward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
-        **_reference_arguments(options, tensors),
-    )
+    else:
+        *grads, dbias = reference.tiled_attention_backward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse, dout.transpose(1, 2),
+            **_reference_arguments(options, tensors),
+        )
+        grads = [grad.transpose(1, 2) for grad in grads]
+        dbias = dbias.to(tensors.attn_bias.dtype) if bias_grad else None
     for buffer, grad in zip((dq, dk, dv), grads):
-        buffer.copy_(grad.transpose(1, 2))
-    return dbias.to(tensors.attn_bias.dtype) if bias_grad else None
+        buffer.copy_(grad)
+    return dbias
 
 
 def _reference_arguments(options: AttentionOptions, tensors: AttentionTensors) -> dict:
