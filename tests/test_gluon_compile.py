@@ -67,14 +67,15 @@ def _compile(case: str):
     # CPU tensors stand in for the GPU's: compiling reads only dtypes, shapes, strides and alignment
     q = torch.empty(2, 1024, 4, head_dim, dtype=torch.bfloat16)
     stats = torch.empty(2, 4, 1024)
-    accum = torch.empty(2, 4, 1024, head_dim)
+    accum = torch.empty(2, 1024, 4, head_dim)
     descriptor = sm90_fwd.descriptor
     if kernel in ("fwd", "fwd_sink", "fwd_persistent"):
         return sm90_fwd._attn_fwd_sm90_kernel.warmup(
             q_desc=descriptor(q, sm90_fwd.ROWS), k_desc=descriptor(q, sm90_fwd.BLOCK_N),
             v_desc=descriptor(q, sm90_fwd.BLOCK_N), o_desc=descriptor(q, sm90_fwd.ROWS), Lse=stats,
             stride_lb=stats.stride(0), stride_lh=stats.stride(1), Sinks=torch.empty(4), batch=2, nheads_q=4, group_size=1,
-            seqlen_q=1000, seqlen_k=1000, qk_scale=0.1, CAUSAL=causal, NUM_CONSUMERS=sm90_fwd.CONSUMERS[head_dim],
+            seqlen_q=1000, seqlen_k=1000, qk_scale=0.1, CAUSAL=causal,
+            NUM_CONSUMERS=sm90_fwd.consumers(head_dim, kernel == "fwd_persistent"),
             ROWS=sm90_fwd.ROWS, BLOCK_N=sm90_fwd.BLOCK_N, HEAD_DIM=head_dim, NUM_STAGES=sm90_fwd.NUM_STAGES,
             HAS_SINK=kernel == "fwd_sink", PERSISTENT=kernel == "fwd_persistent", num_warps=4, grid=(1, ),
         )
@@ -82,7 +83,7 @@ def _compile(case: str):
         return sm90_bwd._bwd_preprocess_kernel.warmup(
             o_desc=descriptor(q, sm90_bwd.BLOCK_M), do_desc=descriptor(q, sm90_bwd.BLOCK_M), Lse=stats, Lse2=stats,
             Delta=stats, DQAccum=accum, stride_lb=stats.stride(0), stride_lh=stats.stride(1),
-            stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_ah=accum.stride(1),
+            stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_as=accum.stride(1), stride_ah=accum.stride(2),
             seqlen_q=1000, ROWS=sm90_bwd.BLOCK_M, HEAD_DIM=head_dim, num_warps=4, grid=(1, ),
         )
     return sm90_bwd._attn_bwd_sm90_kernel.warmup(
@@ -91,7 +92,7 @@ def _compile(case: str):
         lse_desc=sm90_bwd._stats_descriptor(stats), delta_desc=sm90_bwd._stats_descriptor(stats),
         dq_desc=sm90_bwd._accumulator_descriptor(accum), DK=q, DV=q, DQAccum=accum, stride_dkb=q.stride(0),
         stride_dks=q.stride(1), stride_dkh=q.stride(2), stride_dvb=q.stride(0), stride_dvs=q.stride(1),
-        stride_dvh=q.stride(2), stride_ab=accum.stride(0), stride_ah=accum.stride(1), group_size=1, seqlen_q=1000, seqlen_k=1000,
+        stride_dvh=q.stride(2), stride_ab=accum.stride(0), stride_as=accum.stride(1), stride_ah=accum.stride(2), group_size=1, seqlen_q=1000, seqlen_k=1000,
         qk_scale=0.1, sm_scale=0.07, CAUSAL=causal, BLOCK_M=sm90_bwd.BLOCK_M, BLOCK_N=sm90_bwd.BLOCK_N,
         KEYS=sm90_bwd.KEYS, HEAD_DIM=head_dim, NUM_STAGES=sm90_bwd.NUM_STAGES, DQ_BY_TMA=sm90_bwd.DQ_BY_TMA[head_dim],
         num_warps=4, grid=(1, ),

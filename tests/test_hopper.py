@@ -176,7 +176,7 @@ def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_di
     # a persistent grid of 3 CTAs, causal ones included: each walks tens of tiles of every length (causal
     # q1000-k300: tiles that see no key between ones that do), its K/V ring, Q and O buffers and barriers'
     # phases running on across them; the backward takes the forward's LSE
-    monkeypatch.setattr(sm90_fwd, "persistent", lambda causal, seqlen_k, head_dim: True)
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k: True)
     monkeypatch.setattr(sm90_fwd, "programs", lambda tiles, device: min(tiles, 3))
     q, k, v, do = make_inputs(3, *seqlens, 16, 4, head_dim, torch.bfloat16, seed=16)
     learnable_sink = torch.linspace(-4.0, 4.0, 16, device=DEVICE).requires_grad_() if sink else None
@@ -190,6 +190,18 @@ def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_di
     torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
     for name, got, r64, rlow in zip(("dq", "dk", "dv", "dsink"), grads, ref64[2:], ref_lowp[2:]):
         assert_accurate(name, got, r64, rlow, factor=3)
+
+
+@on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 1000), (1000, 300)], ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_forward_one_tile_per_cta(monkeypatch, gluon_calls, head_dim, seqlens, causal):
+    # the grid of long sequences (a CTA per tile; three consumers at head dim 64) on short ones, which
+    # otherwise run the persistent grid with two
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k: False)
+    check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, torch.bfloat16, seed=17), causal=causal)
+    assert gluon_calls
 
 
 @on_sm90
@@ -214,7 +226,7 @@ def test_non_positive_scale_stays_off_the_gluon_path(gluon_calls, scale):
 
 def test_gluon_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(launch, "_is_sm90", lambda device: True)
-    long = configs.GLUON_MIN_SEQLEN[64, True]
+    long = 4096
     full, causal = AttentionOptions(0.1), AttentionOptions(0.1, window_right=0)
 
     def usable(head_dim=128, seqlen=long, dtype=torch.bfloat16, options=full, tensors=AttentionTensors(),
@@ -224,8 +236,7 @@ def test_gluon_only_where_it_applies(monkeypatch):
         return launch.gluon_usable(options, tensors, q, k, k)
 
     assert usable() and usable(dtype=torch.float16) and usable(head_dim=64)
-    assert usable(options=causal)
-    assert not usable(head_dim=64, seqlen=long, k_seqlen=long - 1, options=causal)  # below its threshold
+    assert usable(options=causal) and usable(head_dim=64, seqlen=17, options=causal)
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
     # the kernel masks before it scales
     assert not usable(options=AttentionOptions(0.0)) and not usable(options=AttentionOptions(-0.1))
@@ -248,7 +259,7 @@ def test_gluon_only_with_the_triton_it_is_written_for(monkeypatch):
     assert not gluon.written_for("3.5.1") and not gluon.written_for("3.7.0")
     monkeypatch.setattr(launch, "_is_sm90", lambda device: True)
     monkeypatch.setattr(launch, "sm90_fwd", None)  # what the launcher holds under another series
-    q = torch.randn(1, configs.GLUON_MIN_SEQLEN[64, True], 2, 128).to(torch.bfloat16)
+    q = torch.randn(1, 4096, 2, 128).to(torch.bfloat16)
     assert not launch.gluon_usable(AttentionOptions(0.1), AttentionTensors(), q, q, q)
 
 

@@ -139,14 +139,14 @@ def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_bl
         i_hq = i_hk * group_size + t // m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M
         mbarrier.wait(dq_full, t & 1)
-        _async_reduce_add(dq_desc, [i_b, i_hq, start_m, 0], dq_smem)
+        _async_reduce_add(dq_desc, [i_b, start_m, i_hq, 0], dq_smem)
         tma.store_wait(0)
         mbarrier.arrive(dq_empty)
 
 
 @gluon.jit
-def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks,
-               n_steps, group_size, tiling):
+def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_as, stride_ah, i_b, i_hk, first_m,
+                       m_blocks, n_steps, group_size, tiling):
     """One of two warps that add each step's dQᵢ from shared memory to the float32 accumulator in
     global memory, half the rows each, 4 floats a lane and whole rows per atomic instruction, off
     the consumers' critical path."""
@@ -156,19 +156,19 @@ def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, st
     CHUNK: gl.constexpr = 512 // HEAD_DIM  # rows per load: 16 floats a lane, within the 32 registers it has
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // HEAD_DIM, HEAD_DIM // 4],
                                             warps_per_cta=[1, 1], order=[1, 0])
-    # [CHUNK, HEAD_DIM] offsets into the accumulator, [B, Hq, padded Nq, HEAD_DIM]: compile-time constants
-    chunk = (gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)), 1) * HEAD_DIM
+    # [CHUNK, HEAD_DIM] offsets into the accumulator, [B, padded Nq, Hq, HEAD_DIM]
+    chunk = (gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)), 1) * stride_as
              + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0))
     rows = dq_smem.slice(which * ROWS, ROWS, dim=0)  # [ROWS, HEAD_DIM]
     for t in range(n_steps):
         i_hq = i_hk * group_size + t // m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M + which * ROWS
-        base = DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * HEAD_DIM
+        base = DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * stride_as
         mbarrier.wait(dq_full, t & 1)
         for c in gl.static_range(ROWS // CHUNK):
             # the accumulator's rows are padded to whole blocks: no mask
             values = rows.slice(c * CHUNK, CHUNK, dim=0).load(layout)
-            gl.atomic_add(base + c * CHUNK * HEAD_DIM + chunk, values, sem="relaxed")
+            gl.atomic_add(base + c * CHUNK * stride_as + chunk, values, sem="relaxed")
         mbarrier.arrive(dq_empty)
 
 
@@ -282,8 +282,8 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 
 @gluon.jit
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQAccum,
-                          stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_ah,
-                          group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                          stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_as,
+                          stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
                           CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
                           HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, DQ_BY_TMA: gl.constexpr):
     i_n = gl.program_id(0)  # under causal masking the first key blocks have the most queries: first
@@ -309,7 +309,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_BY_TMA:  # each step's dQᵢ on its way to the writer warp, in the accumulator descriptor's box and layout
-        dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
     else:  # the swizzle spreads the wgmma layout's stores over the banks
         dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
@@ -347,8 +347,8 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_tma, writer)], [4, 1, 1], [240, 32, 32])
     else:
-        writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m, m_blocks, n_steps,
-                  group_size, tiling)
+        writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_as, stride_ah, i_b, i_hk, first_m, m_blocks,
+                  n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_atomics, (0, ) + writer), (_dq_writer_atomics, (1, ) + writer)],
                            [4, 1, 1, 1], [240, 32, 32, 32])
@@ -356,7 +356,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
 @gluon.jit
 def _bwd_preprocess_kernel(o_desc, do_desc, Lse, Lse2, Delta, DQAccum, stride_lb, stride_lh, stride_pb, stride_ph,
-                           stride_ab, stride_ah, seqlen_q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                           stride_ab, stride_as, stride_ah, seqlen_q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Per block of ``ROWS`` query rows of one head: ``D = rowsum(dO ∘ O)``, ``LSE·log2 e`` (+inf for
     a row that saw no key and for the padding, so that P = 0 there) into buffers padded to whole
     blocks, and zeros into the same rows of the dQ accumulator.
@@ -388,9 +388,9 @@ def _bwd_preprocess_kernel(o_desc, do_desc, Lse, Lse2, Delta, DQAccum, stride_lb
     # zeros into the dQ accumulator's rows
     zeros_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                                   order=[1, 0])
-    tile = (gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, zeros_layout)), 1) * HEAD_DIM
+    tile = (gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, zeros_layout)), 1) * stride_as
             + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, zeros_layout)), 0))
-    gl.store(DQAccum + i_b * stride_ab + i_h * stride_ah + i_m * ROWS * HEAD_DIM + tile,
+    gl.store(DQAccum + i_b * stride_ab + i_h * stride_ah + i_m * ROWS * stride_as + tile,
              gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=zeros_layout))
 
     mbarrier.wait(loaded, 0)
@@ -411,29 +411,29 @@ def _stats_descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 
 def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A descriptor over the [batch, nheads, padded seqlen, head_dim] float32 dQ accumulator whose box
-    is one block's rows. Unswizzled: a swizzled box may span at most 128 bytes of a row, and a
-    row of dQ is 256 or 512."""
+    """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
+    is one block's rows of one head. Unswizzled: a swizzled box may span at most 128 bytes of a row,
+    and a row of dQ is 256 or 512."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1]], layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, t.shape[-1]], layout)
 
 
 def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's float32 work buffers for q [B, Nq, Hq, D], each over whole row blocks: the
     log-sum-exp in base 2 and D = rowsum(dO ∘ O), [B, Hq, padded Nq], and the dQ accumulator
-    [B, Hq, padded Nq, D]."""
+    [B, padded Nq, Hq, D]: dQ's own layout, so that its conversion to dQ is a copy without a transpose."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     padded_q = -(-seqlen_q // BLOCK_M) * BLOCK_M  # ceil to whole blocks on Python ints
     lse2 = torch.empty((batch, nheads_q, padded_q), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, nheads_q, padded_q, head_dim), dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty((batch, padded_q, nheads_q, head_dim), dtype=torch.float32, device=q.device)
     return lse2, delta, dq_accum
 
 
 def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse2, delta, dq_accum,
                     softmax_scale: float, causal: bool) -> None:
     """Writes dk/dv (any strides with a contiguous head dim) and the buffers of :func:`backward_buffers`
-    (D in ``delta``, dQ in ``dq_accum``, both [B, Hq, padded Nq, ...]) for q [B, Nq, Hq, D], k/v
+    (D in ``delta`` [B, Hq, padded Nq], dQ in ``dq_accum`` [B, padded Nq, Hq, D]) for q [B, Nq, Hq, D], k/v
     [B, Nk, Hk, D], out and dout like q, lse [B, Hq, Nq] float32, for inputs that
     ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits, launching
     through ``plan`` (``flashtile.triton.plans``: later calls of the key replay the launches)."""
@@ -444,8 +444,8 @@ def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse
         plan, _bwd_preprocess_kernel, (padded_q // BLOCK_M, nheads_q, batch),
         o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
         DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),
-        stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
-        ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
+        stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1),
+        stride_ah=dq_accum.stride(2), seqlen_q=seqlen_q, ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
     )
     plans.launch(
         plan, _attn_bwd_sm90_kernel, (-(-seqlen_k // BLOCK_N), nheads_k, batch),
@@ -454,7 +454,8 @@ def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse
         dq_desc=_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum,
         stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), group_size=nheads_q // nheads_k,
+        stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1), stride_ah=dq_accum.stride(2),
+        group_size=nheads_q // nheads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KEYS=KEYS, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,

@@ -15,8 +15,8 @@ the pieces, still in Python:
     (TMA), each buffer guarded by a "ready" and an "empty" mbarrier. The ring runs on across tiles,
     so that the next tile's Q and first K/V blocks load under this tile's last blocks; a persistent
     CTA's O leaves through a staging buffer of its own, under the next tile's main loop;
-  - **c consumer warpgroups** (``CONSUMERS``: three at head dim 64, two at 128), 64 query rows
-    each, run the online softmax (base 2, log2 e folded into the scale) with ``wgmma``, and
+  - **c consumer warpgroups** (``consumers``: two on the persistent grid; on a CTA per tile three at
+    head dim 64, two at 128), 64 query rows each, run the online softmax (base 2, log2 e folded into the scale) with ``wgmma``, and
     ``setmaxnreg`` gives them the registers the producer does not need;
 * inside a consumer, the matmuls of neighbouring blocks overlap (FA3's intra-warpgroup
   pipelining): ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` are issued together, the consumer
@@ -65,10 +65,10 @@ from ..triton import plans
 from ..triton._host import cuda_properties
 
 
-# Consumer warpgroups per CTA, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md v0.5: three
-# at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the setmaxnreg
-# budget drops from 240 to 160 registers). K/V blocks of 128 keys in two buffers (three, or blocks of
-# 64, measured no faster).
+# Consumer warpgroups per CTA of a tile each, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md
+# v0.5: three at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the
+# setmaxnreg budget drops from 240 to 160 registers). The persistent grid runs two (``consumers``). K/V
+# blocks of 128 keys in two buffers (three, or blocks of 64, measured no faster).
 CONSUMERS = {64: 3, 128: 2}
 ROWS, BLOCK_N, NUM_STAGES = 64, 128, 2
 # The longest key range a persistent grid runs (see ``persistent``). H100, kernels in CUDA graphs, bf16, full
@@ -415,9 +415,9 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     ``qk_scale = softmax_scale · log2 e``; ``learnable_sink`` float32 [Hq] or None."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    num_consumers = CONSUMERS[head_dim]
+    walks = persistent(seqlen_k)
+    num_consumers = consumers(head_dim, walks)
     m_blocks = -(-seqlen_q // (num_consumers * ROWS))  # ceil division on Python ints
-    walks = persistent(causal, seqlen_k, head_dim)
     if walks:  # units of one tile, or of two under causal masking (_units_per_head)
         grid = programs((m_blocks + 1) // 2 * nheads_q * batch if causal else m_blocks * nheads_q * batch, q.device)
     else:
@@ -433,14 +433,24 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     )
 
 
-def persistent(causal: bool, seqlen_k: int, head_dim: int) -> bool:
+def persistent(seqlen_k: int) -> bool:
     """Whether the grid is persistent: over at most ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key
     blocks left its Q load and O store exposed; longer tiles gained nothing (benchmarks/NOTES.md,
     fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
-    stride over single tiles left some CTAs twice the work of others. Pairs gained 3-10% at head dim 128
-    and lost 20-35% at 64, where the tile loop spills (fifteenth session; causal calls at 64 over so
-    few keys run the Triton forward anyway)."""
-    return seqlen_k <= PERSISTENT_MAX_KEYS and (not causal or head_dim == 128)
+    stride over single tiles left some CTAs twice the work of others; pairs gained 3-10% at head dim 128
+    (fifteenth session) and, with two consumers, 7-19% over the Triton forward at 64 (sixteenth)."""
+    return seqlen_k <= PERSISTENT_MAX_KEYS
+
+
+def consumers(head_dim: int, persistent_grid: bool) -> int:
+    """Consumer warpgroups per CTA: ``CONSUMERS`` on a CTA per tile, two on the persistent grid. At head
+    dim 64 that grid's sequences are short: 128-row tiles divide N = 512 and 1024, where 192-row ones
+    computed 11% padding rows, and the tile loop keeps its registers (168, no spills; with three, 128 and
+    368 bytes spilled in the causal pairs). H200, 16384 tokens, d64 forward against cuDNN at N = 512 /
+    1024 / 2048 (benchmarks/NOTES.md, sixteenth session): 0.97 / 0.99 / 1.02 with two on the persistent
+    grid against 0.79 / 0.87 / 1.02 with three per tile; causal 0.82 / 0.93 / 0.97 against the Triton
+    forward's 0.77 / 0.80 / 0.82."""
+    return 2 if persistent_grid else CONSUMERS[head_dim]
 
 
 def programs(tiles: int, device: torch.device) -> int:

@@ -343,7 +343,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
             plans.replay_or_record(call_key, plan, call, lambda plan: sm90_bwd.record_backward(
                 plan, *call, options.softmax_scale, options.causal))
             seqlen_q = q.shape[1]
-            dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
+            dq.copy_(dq_accum[:, :seqlen_q])
         return None, delta[:, :, :seqlen_q]
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
