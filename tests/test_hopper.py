@@ -236,7 +236,8 @@ def test_gluon_only_where_it_applies(monkeypatch):
         return launch.gluon_usable(options, tensors, q, k, k)
 
     assert usable() and usable(dtype=torch.float16) and usable(head_dim=64)
-    assert usable(options=causal) and usable(head_dim=64, seqlen=17, options=causal)
+    assert usable(options=causal) and usable(head_dim=64, seqlen=512, options=causal)
+    assert not usable(head_dim=64, seqlen=512, k_seqlen=511, options=causal)  # below its threshold
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
     # the kernel masks before it scales
     assert not usable(options=AttentionOptions(0.0)) and not usable(options=AttentionOptions(-0.1))

@@ -14,10 +14,11 @@ INT32_MAX = 2**31 - 1
 # standard case, and lost at 512-2048 in some (benchmarks/NOTES.md, v0.4).
 TMA_MIN_SEQLEN = 4096
 # (head dim, causal): the seqlen from which the Gluon forward (flashtile.gluon.sm90_fwd) beats the Triton
-# one on the H200: everywhere, at 128 since v0.5 (1.1-1.4x), at 64 since its short sequences run two
-# consumers on the persistent grid (1.05-1.19x at N = 512-2048, 1.07-1.09x causal at 4096; NOTES.md,
-# sixteenth session). The tests set it to {} to run the Triton forward on an sm_90 GPU.
-GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 1, (64, True): 1}
+# one on the H200: at 128 everywhere (1.1-1.4x, v0.5); at 64 from 512, the shortest measured, since its
+# short sequences run two consumers on the persistent grid (1.05-1.19x at N = 512-2048, 1.07-1.09x causal at
+# 4096; NOTES.md, sixteenth session). Below 512 at 64 neither the kernels nor the host time per call (four
+# descriptors encoded per Gluon launch) were compared, so those calls keep the Triton forward.
+GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 512, (64, True): 512}
 # Packed queries against a paged cache: from this many queries per sequence on average on, the forward
 # kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
 # than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). H100,
