@@ -238,6 +238,10 @@ def test_gluon_only_where_it_applies(monkeypatch):
     assert usable() and usable(dtype=torch.float16) and usable(head_dim=64)
     assert usable(options=causal) and usable(head_dim=64, seqlen=512, options=causal)
     assert not usable(head_dim=64, seqlen=512, k_seqlen=511, options=causal)  # below its threshold
+    # at head dim 64 keys beyond the persistent grid take a CTA per tile, which has thresholds of its own
+    assert usable(head_dim=64, seqlen=2048, k_seqlen=4096) and not usable(head_dim=64, seqlen=1024, k_seqlen=4096)
+    assert usable(head_dim=64, seqlen=4096, k_seqlen=8192, options=causal)
+    assert not usable(head_dim=64, seqlen=1024, k_seqlen=8192, options=causal)
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
     # the kernel masks before it scales
     assert not usable(options=AttentionOptions(0.0)) and not usable(options=AttentionOptions(-0.1))

@@ -1,5 +1,6 @@
 """The attention kernels alone at the standard shapes, N = 512–16384: the Gluon forward (with its shipped grid
-policy and, where this tree has ``sm90_fwd.persistent``, always and never persistent) and the fused
+policy and, where this tree has ``sm90_fwd.persistent``, always and never persistent; since ``sm90_fwd.consumers``
+the two grids also differ at head dim 64 in their consumers, two persistent and three per tile) and the fused
 backward, the Triton forward, and SDPA's cuDNN backend, each timed in a CUDA graph
 (``triton.testing.do_bench_cudagraph``) so that the host's time per call stays out of the figures (at
 N = 512 a call's Python is about as long as its kernels). The backward is (forward + backward) − forward,
@@ -91,7 +92,7 @@ def main():
                 qt, kt, vt, dot = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v, do))
                 forward, forward_backward = _flashtile(q, k, v, do, causal)
                 policies = {"gluon": (gluon_everywhere, shipped_policy)}
-                if shipped_policy is not None:  # the same kernel on a persistent grid, and on a CTA per tile
+                if shipped_policy is not None:  # the kernel on a persistent grid, and on a CTA per tile
                     policies["persistent"] = (gluon_everywhere, lambda seqlen_k: True)
                     policies["tile"] = (gluon_everywhere, lambda seqlen_k: False)
                 figures = {}

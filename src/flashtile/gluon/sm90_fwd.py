@@ -5,11 +5,11 @@ warpgroups take turns at the matmuls and the softmax, so the tensor cores idle w
 (benchmarks/NOTES.md, "The profile"). Gluon (``triton.experimental.gluon``, in Triton 3.6) exposes
 the pieces, still in Python:
 
-* the work is cut into tiles of 64·c query rows of one head. A CTA takes one tile, or, for full
-  attention over at most ``PERSISTENT_MAX_KEYS`` keys, the grid is **persistent**: one CTA per SM
-  walks a strided share of the tiles, so that a short tile's Q load and O store, which a CTA of one
-  tile leaves exposed, overlap the previous and next tiles' work (``persistent`` says where it
-  measured faster). The CTA is split into partitions of warps that share K/V tiles in shared memory:
+* the work is cut into tiles of 64·c query rows of one head. A CTA takes one tile, or, over at most
+  ``PERSISTENT_MAX_KEYS`` keys, the grid is **persistent**: one CTA per SM walks a strided share of
+  the tiles (under causal masking in pairs of equal total length), so that a short tile's Q load and O
+  store, which a CTA of one tile leaves exposed, overlap the previous and next tiles' work
+  (``persistent`` says where it measured faster). The CTA is split into partitions of warps that share K/V tiles in shared memory:
   - a **producer warp** moves a tile's Q once the consumers have finished the previous tile's QKᵀ
     matmuls, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with the tensor copy engine
     (TMA), each buffer guarded by a "ready" and an "empty" mbarrier. The ring runs on across tiles,

@@ -13,12 +13,15 @@ INT32_MAX = 2**31 - 1
 # On the H200, descriptor loads (with their configs) beat pointer loads at seqlen 4096-16384 in every
 # standard case, and lost at 512-2048 in some (benchmarks/NOTES.md, v0.4).
 TMA_MIN_SEQLEN = 4096
-# (head dim, causal): the seqlen from which the Gluon forward (flashtile.gluon.sm90_fwd) beats the Triton
-# one on the H200: at 128 everywhere (1.1-1.4x, v0.5); at 64 from 512, the shortest measured, since its
-# short sequences run two consumers on the persistent grid (1.05-1.19x at N = 512-2048, 1.07-1.09x causal at
-# 4096; NOTES.md, sixteenth session). Below 512 at 64 neither the kernels nor the host time per call (four
-# descriptors encoded per Gluon launch) were compared, so those calls keep the Triton forward.
-GLUON_MIN_SEQLEN = {(128, False): 1, (128, True): 1, (64, False): 512, (64, True): 512}
+# (head dim, causal, persistent grid): the seqlen (the shorter of queries and keys) from which the Gluon
+# forward (flashtile.gluon.sm90_fwd) beats the Triton one on the H200, its grid being persistent or not
+# (``sm90_fwd.persistent``: over at most 2048 keys). At 128 everywhere (1.1-1.4x, v0.5). At 64 on the
+# persistent grid from 512, the shortest measured (two consumers: 1.15-1.18x at N = 512-1024, causal
+# 1.07-1.19x at 512-2048; below 512 neither the kernels nor the host time per call were compared); on a
+# CTA per tile from 2048 (v0.5), causal from 4096 (1.07x there: NOTES.md, sixteenth session). The tests
+# set it to {} to run the Triton forward on an sm_90 GPU.
+GLUON_MIN_SEQLEN = {(128, False, True): 1, (128, True, True): 1, (128, False, False): 1, (128, True, False): 1,
+                    (64, False, True): 512, (64, True, True): 512, (64, False, False): 2048, (64, True, False): 4096}
 # Packed queries against a paged cache: from this many queries per sequence on average on, the forward
 # kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
 # than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). H100,

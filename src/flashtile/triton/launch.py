@@ -155,14 +155,17 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
     """Whether the forward runs ``flashtile.gluon.sm90_fwd``'s kernel: with the Triton series it is
     written for, on an sm_90 GPU, for plain full or causal attention (a learnable sink allowed) in 16
     bits at a head dim it has (the same for V), with a positive softmax scale (it masks raw scores before
-    scaling them), from
-    ``GLUON_MIN_SEQLEN[head_dim, causal]`` on, for tensors within 32-bit offsets."""
+    scaling them), from ``GLUON_MIN_SEQLEN[head_dim, causal, whether its grid is persistent]`` on, for
+    tensors within 32-bit offsets."""
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
-    return (_plain(options, tensors) and sm90_fwd is not None
-            and v.shape[-1] == head_dim
+    if not _plain(options, tensors) or sm90_fwd is None:
+        return False
+    threshold = configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal, sm90_fwd.persistent(k.shape[1])),
+                                             configs.INT32_MAX)
+    return (v.shape[-1] == head_dim
             and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
-            and seqlen >= configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal), configs.INT32_MAX)
+            and seqlen >= threshold
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v) and not wide_offsets(q=q, k=k, v=v))
 
 
