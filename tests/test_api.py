@@ -169,7 +169,7 @@ def test_help_names_every_argument(name):
 
 @pytest.mark.parametrize("case", ["gqa-causal", "qkv-packed", "bias-grad", "sink-grad"])
 def test_torch_func_grad_gives_autograd_s_gradients(backend, device, case):
-    # torch.func's transforms (grad, jacrev, ...) take a Function whose context is set up apart from its
+    # torch.func's transforms (grad, vjp) take a Function whose context is set up apart from its
     # forward (setup_context); they unwrap the tensors at the operators, so the kernels see plain ones
     g = torch.Generator().manual_seed(31)
 

@@ -79,7 +79,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 class TransformableFlashAttnFunction(FlashAttnFunction):
-    """:class:`FlashAttnFunction` under torch.func's transforms (``grad``, ``jacrev``, ...), which take only a
+    """:class:`FlashAttnFunction` under torch.func's transforms (``grad``, ``vjp``), which take only a
     Function whose context is set up apart from its forward. Eager calls keep the other: with a separate
     ``setup_context`` PyTorch's ``apply`` binds the arguments to ``forward``'s signature on every call, which
     doubled a small call's host time with gradients (44-48 → 92-97 µs on a CPU core)."""
