@@ -83,7 +83,8 @@ def _compile(case: str):
         return sm90_bwd._bwd_preprocess_kernel.warmup(
             o_desc=descriptor(q, sm90_bwd.BLOCK_M), do_desc=descriptor(q, sm90_bwd.BLOCK_M), Lse=stats, Lse2=stats,
             Delta=stats, DQAccum=accum, stride_lb=stats.stride(0), stride_lh=stats.stride(1),
-            stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_as=accum.stride(1), stride_ah=accum.stride(2),
+            stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_as=accum.stride(1),
+            stride_ah=accum.stride(2),
             seqlen_q=1000, ROWS=sm90_bwd.BLOCK_M, HEAD_DIM=head_dim, num_warps=4, grid=(1, ),
         )
     return sm90_bwd._attn_bwd_sm90_kernel.warmup(
@@ -92,7 +93,8 @@ def _compile(case: str):
         lse_desc=sm90_bwd._stats_descriptor(stats), delta_desc=sm90_bwd._stats_descriptor(stats),
         dq_desc=sm90_bwd._accumulator_descriptor(accum), DK=q, DV=q, DQAccum=accum, stride_dkb=q.stride(0),
         stride_dks=q.stride(1), stride_dkh=q.stride(2), stride_dvb=q.stride(0), stride_dvs=q.stride(1),
-        stride_dvh=q.stride(2), stride_ab=accum.stride(0), stride_as=accum.stride(1), stride_ah=accum.stride(2), group_size=1, seqlen_q=1000, seqlen_k=1000,
+        stride_dvh=q.stride(2), stride_ab=accum.stride(0), stride_as=accum.stride(1), stride_ah=accum.stride(2),
+        group_size=1, seqlen_q=1000, seqlen_k=1000,
         qk_scale=0.1, sm_scale=0.07, CAUSAL=causal, BLOCK_M=sm90_bwd.BLOCK_M, BLOCK_N=sm90_bwd.BLOCK_N,
         KEYS=sm90_bwd.KEYS, HEAD_DIM=head_dim, NUM_STAGES=sm90_bwd.NUM_STAGES, DQ_BY_TMA=sm90_bwd.DQ_BY_TMA[head_dim],
         num_warps=4, grid=(1, ),

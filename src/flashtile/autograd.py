@@ -30,22 +30,18 @@ def unpack(layout, a, b, c):
     return a, b, c
 
 
-def _forward(layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink,
-             options: AttentionOptions):
-    """The Function's forward on its ``apply`` arguments → (out, lse)."""
-    q, k, v = unpack(layout, a, b, c)
-    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    return call_fwd(q, k, v, AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                                              learnable_sink), options)
-
-
-def _set_up(ctx, inputs: tuple, output: tuple) -> None:
-    """What the backward needs from a call (its ``apply`` arguments, its (out, lse)), kept in ``ctx``."""
+def _arguments(inputs: tuple) -> tuple:
+    """The Function's ``apply`` arguments → (layout, a, b, c, AttentionTensors, options)."""
     layout, a, b, c, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink, options = inputs
-    out, lse = output
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    ctx.save_for_backward(a, b, c, out, lse, alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k,
-                          learnable_sink)
+    tensors = AttentionTensors(alibi_slopes, attn_bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, learnable_sink)
+    return layout, a, b, c, tensors, options
+
+
+def _save(ctx, layout, a, b, c, tensors: AttentionTensors, options: AttentionOptions, output: tuple) -> None:
+    """What the backward needs from a call, kept in ``ctx``."""
+    out, lse = output
+    ctx.save_for_backward(a, b, c, out, lse, *tensors)
     ctx.layout = layout
     ctx.options = options
     ctx.mark_non_differentiable(lse)
@@ -61,8 +57,9 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward(*inputs)
-        _set_up(ctx, inputs, output)
+        layout, a, b, c, tensors, options = _arguments(inputs)
+        output = call_fwd(*unpack(layout, a, b, c), tensors, options)
+        _save(ctx, layout, a, b, c, tensors, options, output)
         return output
 
     @staticmethod
@@ -86,11 +83,12 @@ class TransformableFlashAttnFunction(FlashAttnFunction):
 
     @staticmethod
     def forward(*inputs):
-        return _forward(*inputs)
+        layout, a, b, c, tensors, options = _arguments(inputs)
+        return call_fwd(*unpack(layout, a, b, c), tensors, options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _set_up(ctx, inputs, output)
+        _save(ctx, *_arguments(inputs), output)
 
 
 def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: AttentionOptions):

@@ -9,15 +9,16 @@ the pieces, still in Python:
   ``PERSISTENT_MAX_KEYS`` keys, the grid is **persistent**: one CTA per SM walks a strided share of
   the tiles (under causal masking in pairs of equal total length), so that a short tile's Q load and O
   store, which a CTA of one tile leaves exposed, overlap the previous and next tiles' work
-  (``persistent`` says where it measured faster). The CTA is split into partitions of warps that share K/V tiles in shared memory:
+  (``persistent`` says where it measured faster). The CTA is split into partitions of warps that share
+  K/V tiles in shared memory:
   - a **producer warp** moves a tile's Q once the consumers have finished the previous tile's QKᵀ
     matmuls, then K_j and V_j into a ring of ``NUM_STAGES`` buffers with the tensor copy engine
     (TMA), each buffer guarded by a "ready" and an "empty" mbarrier. The ring runs on across tiles,
     so that the next tile's Q and first K/V blocks load under this tile's last blocks; a persistent
     CTA's O leaves through a staging buffer of its own, under the next tile's main loop;
   - **c consumer warpgroups** (``consumers``: two on the persistent grid; on a CTA per tile three at
-    head dim 64, two at 128), 64 query rows each, run the online softmax (base 2, log2 e folded into the scale) with ``wgmma``, and
-    ``setmaxnreg`` gives them the registers the producer does not need;
+    head dim 64, two at 128), 64 query rows each, run the online softmax (base 2, log2 e folded into
+    the scale) with ``wgmma``, and ``setmaxnreg`` gives them the registers the producer does not need;
 * inside a consumer, the matmuls of neighbouring blocks overlap (FA3's intra-warpgroup
   pipelining): ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` are issued together, the consumer
   waits for S_j alone and computes softmax(S_j) while the PV matmul still runs, then rescales O;
