@@ -200,3 +200,79 @@ def test_torch_func_grad_gives_autograd_s_gradients(backend, device, case):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+
+
+def _vmap_case(case, rand):
+    """(the function, its vmapped inputs [3, ...], vmap's in_dims) of a case of the vmap tests."""
+    if case == "gqa-causal":
+        fn = lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+        return fn, (rand(3, 2, 17, 4, 32), rand(3, 2, 23, 2, 32), rand(3, 2, 23, 2, 32)), 0
+    if case == "shared-kv":  # only q vmapped: K and V repeat over the entries
+        fn = lambda q, k, v: flashtile.flash_attn_func(q, k, v, window_size=(5, 0))  # noqa: E731
+        return fn, (rand(3, 2, 17, 4, 32), rand(2, 17, 4, 32), rand(2, 17, 4, 32)), (0, None, None)
+    if case == "qkv-packed-dim1":  # vmapped along dim 1
+        fn = lambda qkv: flashtile.flash_attn_qkvpacked_func(qkv, causal=True)  # noqa: E731
+        return fn, (rand(2, 3, 17, 3, 4, 32),), 1
+    if case == "bias-per-entry":  # a bias per batch entry and vmapped: each entry runs on its own
+        fn = lambda q, k, v, bias: flashtile.attention(q, k, v, attn_mask=bias)  # noqa: E731
+        return fn, (rand(3, 2, 4, 17, 32), rand(3, 2, 4, 23, 32), rand(3, 2, 4, 23, 32), rand(3, 2, 4, 17, 23)), 0
+    if case == "sink":
+        fn = lambda q, k, v, sink: flashtile.flash_attn_func(q, k, v, learnable_sink=sink)  # noqa: E731
+        return fn, (rand(3, 2, 17, 4, 32), rand(3, 2, 17, 4, 32), rand(3, 2, 17, 4, 32), rand(4)), (0, 0, 0, None)
+    cu_seqlens = torch.tensor([0, 7, 23], dtype=torch.int32, device=rand(1).device)  # "varlen"
+    fn = lambda q, k, v: flashtile.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 16, 16,  # noqa: E731
+                                                           causal=True)
+    return fn, (rand(3, 23, 4, 32), rand(3, 23, 2, 32), rand(3, 23, 2, 32)), 0
+
+
+def _entries(inputs, in_dims, i):
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(inputs)
+    return [t if d is None else t.select(d, i) for t, d in zip(inputs, dims)]
+
+
+VMAP_CASES = ["gqa-causal", "shared-kv", "qkv-packed-dim1", "bias-per-entry", "sink", "varlen"]
+
+
+@pytest.mark.parametrize("case", VMAP_CASES)
+def test_vmap_gives_each_entry_s_call(backend, device, case):
+    # torch.vmap, as over SDPA: one folded call where the entries can share a batch, entry by entry otherwise
+    g = torch.Generator().manual_seed(37)
+    fn, inputs, in_dims = _vmap_case(case, lambda *shape: torch.randn(*shape, generator=g).to(device))
+    got = torch.vmap(fn, in_dims=in_dims)(*inputs)
+    with torch.no_grad():
+        expected = torch.stack([fn(*_entries(inputs, in_dims, i)) for i in range(3)])
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("case", VMAP_CASES)
+def test_vmap_of_grad_gives_per_entry_gradients(backend, device, case):
+    # per-sample gradients (torch.func's recipe): the operators' vmap rules, forward and backward
+    g = torch.Generator().manual_seed(41)
+    fn, inputs, in_dims = _vmap_case(case, lambda *shape: torch.randn(*shape, generator=g).to(device))
+    argnums = tuple(range(len(inputs)))
+
+    def loss(*xs):
+        return (fn(*xs) ** 2).sum()
+
+    got = torch.vmap(torch.func.grad(loss, argnums=argnums), in_dims=in_dims)(*inputs)
+    for i in range(3):
+        leaves = [t.clone().requires_grad_() for t in _entries(inputs, in_dims, i)]
+        expected = torch.autograd.grad(loss(*leaves), leaves)
+        dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(inputs)
+        for a, d, b in zip(got, dims, expected):
+            # vmap stacks every gradient, those of unvmapped inputs included, on dim 0
+            torch.testing.assert_close(a[i] if d is not None else a.select(0, i), b)
+
+
+def test_jacrev_matches_autograd_row_by_row(backend, device):
+    # jacrev is vmap over vjp: only the incoming gradient is vmapped
+    g = torch.Generator().manual_seed(43)
+    q, k, v = (torch.randn(1, 5, 2, 8, generator=g).to(device) for _ in range(3))
+    fn = lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    jacobians = torch.func.jacrev(fn, argnums=(0, 2))(q, k, v)
+    leaves = [q.clone().requires_grad_(), v.clone().requires_grad_()]
+    out = fn(leaves[0], k, leaves[1]).reshape(-1)
+    for j in range(out.numel()):
+        rows = torch.autograd.grad(out[j], leaves, retain_graph=True)
+        for jacobian, row in zip(jacobians, rows):
+            torch.testing.assert_close(jacobian.reshape(out.numel(), -1)[j], row.reshape(-1))

@@ -187,6 +187,65 @@ def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
     return dbias, (q.new_empty((0,), dtype=torch.float32) if sink is None else torch.empty_like(sink))
 
 
+# ----------------------------------------------------------------------------------------------
+# torch.vmap over the operators (and so torch.func.jacrev, vmap of grad: per-sample gradients)
+
+
+def _foldable(in_dims, tensors: AttentionTensors, options: AttentionOptions, shared_gradient: bool) -> bool:
+    """Whether a vmapped call can run as one call whose batch is the vmapped entries' batches side by side:
+    separate batch entries (not packed), no dropout (an entry's mask depends on its batch index), no
+    optional tensor vmapped, a bias only if the batch shares it whole (batch dim 1) and ALiBi slopes only per
+    head, and no gradient of a tensor the whole batch shares (``shared_gradient``: it would be summed
+    over the vmapped entries)."""
+    if tensors.is_varlen or options.dropout_p > 0 or shared_gradient:
+        return False
+    if any(d is not None for d in in_dims[-(_NUM_TENSORS + len(AttentionOptions._fields)):]):
+        return False
+    bias, slopes = tensors.attn_bias, tensors.alibi_slopes
+    return (bias is None or bias.dim() < 4 or bias.shape[0] == 1) and (slopes is None or slopes.dim() == 1)
+
+
+def _folded(t: torch.Tensor, dim, size: int) -> torch.Tensor:
+    """``t`` with its vmapped dim ``dim`` (None: not vmapped, repeated) joined to its batch dim."""
+    t = t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+    return t.reshape(size * t.shape[1], *t.shape[2:])
+
+
+def _slices(arguments, in_dims, i: int) -> list:
+    return [a if d is None else a.select(d, i) for a, d in zip(arguments, in_dims)]
+
+
+def _fwd_vmap(info, in_dims, q, k, v, *arguments):
+    tensors, options = _fields(arguments)
+    size = info.batch_size
+    if not _foldable(in_dims, tensors, options, False):  # entry by entry
+        outputs = [fwd_op(*_slices((q, k, v, *arguments), in_dims, i)) for i in range(size)]
+        return tuple(torch.stack(parts) for parts in zip(*outputs)), (0, 0)
+    out, lse = fwd_op(*(_folded(t, d, size) for t, d in zip((q, k, v), in_dims)), *arguments)
+    return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
+
+
+def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
+    tensors, options = _fields(arguments)
+    size = info.batch_size
+    if any(d is None for d in in_dims[6:9]):
+        raise ValueError("flashtile::bwd under torch.vmap: dq, dk and dv must be vmapped like its inputs "
+                         "(the gradients differ per vmapped entry)")
+    shared_gradient = bias_grad or tensors.learnable_sink is not None
+    if not _foldable(in_dims, tensors, options, shared_gradient):  # entry by entry, into views of dq, dk, dv
+        outputs = [bwd_op(*_slices((dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments), in_dims, i))
+                   for i in range(size)]
+        return tuple(torch.stack(parts) for parts in zip(*outputs)), (0, 0)
+    grads = [g.movedim(d, 0) for g, d in zip((dq, dk, dv), in_dims[6:9])]
+    folded = [_folded(g, 0, size) for g in grads]  # views where the layout allows, else copies
+    empty = bwd_op(*(_folded(t, d, size) for t, d in zip((dout, q, k, v, out, lse), in_dims)), *folded,
+                   bias_grad, *arguments)
+    for grad, written in zip(grads, folded):
+        if written.data_ptr() != grad.data_ptr():
+            grad.copy_(written.view(grad.shape))
+    return empty, (None, None)
+
+
 if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook autoreload) keeps the first
     _LIBRARY = torch.library.Library("flashtile", "DEF")  # registrations live as long as this object
     # pt2_compliant_tag: what custom_op would add, and what torch.compile's strict op check asks for
@@ -194,9 +253,12 @@ if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook
         _LIBRARY.define(_SCHEMAS[_name], tags=(torch.Tag.pt2_compliant_tag,))
         _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_LIBRARY)
+    torch.library.register_vmap("flashtile::fwd", _fwd_vmap, lib=_LIBRARY)
+    torch.library.register_vmap("flashtile::bwd", _bwd_vmap, lib=_LIBRARY)
 
 fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
+
 
 
 def _plain_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
