@@ -215,3 +215,59 @@ def test_a_launch_hook_takes_the_hooked_path():
         assert plans._hooked()
     finally:
         knobs.runtime.launch_enter_hook.remove(print)
+
+
+class _Recorder(list):
+    """Stands in for the C function of Triton's launcher (a builtin: no Python code): keeps each call."""
+
+    def __call__(self, *args):
+        self.append(args)
+
+
+class _FakeCompiled:
+    """A compiled kernel as Triton 3.6's CUDA launcher presents it, its C function replaced by a
+    recorder: ``run.launch`` is Triton's own Python wrapper (``wrap_handle_tensordesc``) around it."""
+
+    def __init__(self, signature, recorder):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        self.function, self.packed_metadata = 12345, (4, 1, 0)
+        self.run = type("Launcher", (), {})()
+        self.run.global_scratch_size = self.run.profile_scratch_size = 0
+        self.run.launch_cooperative_grid, self.run.launch_pdl = False, True
+        self.run.launch = wrap_handle_tensordesc(recorder, signature, None)
+
+
+def test_a_direct_launch_passes_what_triton_s_wrapper_passes():
+    # the replay's direct call of the C launcher against Triton's wrapper on the same call, here with
+    # descriptors not lowered to encoded ones (base tensor, shapes, strides), which a CPU can build
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    recorded, now = torch.zeros(2, 64, 4, 32), torch.ones(2, 64, 4, 32)
+    other, other_now = torch.zeros(8), torch.ones(8)
+
+    def descriptor(t):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 16, 1, 32])
+
+    signature = {"X": "*fp32", "D": "tensordesc<fp32[1, 16, 1, 32]>", "n": "i32", "BLOCK": "constexpr"}
+    plan = plans.LaunchPlan()
+    plan.bind((recorded, other))
+    arguments = [other, descriptor(recorded), 8, 16]
+    fills = [(0, 1, None), (1, 0, plans._descriptor_box(arguments[1]))]
+    calls = _Recorder()
+    compiled = _FakeCompiled(signature, calls)
+    direct = plans._Direct.of(compiled, compiled.function, arguments, fills)
+    assert direct is not None
+    direct((3, 1, 1), 77, (now, other_now))
+    compiled.run.launch(3, 1, 1, 77, compiled.function, False, True, None, None, compiled.packed_metadata,
+                        None, None, None, other_now, descriptor(now), 8, 16)
+    assert len(calls) == 2 and len(calls[0]) == len(calls[1])
+    for got, expected in zip(*calls, strict=True):
+        assert got is expected or got == expected
+    assert all(not isinstance(t, torch.Tensor) for t in direct.template)  # a plan holds no tensors
+
+
+def test_a_direct_launch_is_not_made_where_scratch_is_allocated():
+    compiled = _FakeCompiled({"X": "*fp32"}, _Recorder())
+    compiled.run.global_scratch_size = 128
+    assert plans._Direct.of(compiled, compiled.function, [torch.zeros(1)], [(0, 0, None)]) is None

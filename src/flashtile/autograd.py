@@ -102,7 +102,8 @@ class TransformableFlashAttnFunction(FlashAttnFunction):
         # the operator writes the gradients into these buffers: under torch.vmap they must be vmapped
         # where the incoming gradient is, as new_empty's are (empty_like of an input is not where only
         # the gradient is vmapped: jacrev)
-        return _gradients(ctx, dout, [dout.new_empty(t.shape) if t is not None else None for t in ctx.saved_tensors[:3]])
+        buffers = [dout.new_empty(t.shape) if t is not None else None for t in ctx.saved_tensors[:3]]
+        return _gradients(ctx, dout, buffers)
 
 
 def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: AttentionOptions):

@@ -14,7 +14,10 @@ call's scalar options. So a launcher decides once per key:
   the call's tensors that the launcher bound to the plan;
 * later calls with the key allocate their outputs and :meth:`LaunchPlan.replay` the launches: the
   slots are filled with this call's tensors and the compiled kernel's launcher is called directly,
-  with no binding, specialisation or deciding.
+  with no binding, specialisation or deciding. On an NVIDIA GPU the replay calls the launcher's C
+  function itself (:class:`_Direct`), with the argument list Triton's Python wrapper would build:
+  each tensor descriptor's fixed fields laid out once, and its encoded copy-engine descriptor
+  (``cuTensorMapEncodeTiled``, what Triton's wrapper redoes on every launch) kept per address.
 
 One tensor may fill several slots (``k`` passed as ``v`` too; ``q`` standing in for an absent
 tensor; one ``cu_seqlens`` for queries and keys). Such a recording takes the first slot and notes
@@ -133,13 +136,100 @@ def _rebuilt(box: tuple, base: torch.Tensor):
 
 
 class _Launch:
-    """One recorded launch: ``fills`` are (argument position, slot, descriptor box or None)."""
+    """One recorded launch: ``fills`` are (argument position, slot, descriptor box or None); ``direct``
+    the same launch through the C launcher (:class:`_Direct`), or None."""
 
-    __slots__ = ("kernel", "grid", "template", "fills", "options", "compiled")
+    __slots__ = ("kernel", "grid", "template", "fills", "options", "compiled", "direct")
 
-    def __init__(self, kernel, grid, template, fills, options, compiled):
+    def __init__(self, kernel, grid, template, fills, options, compiled, direct):
         self.kernel, self.grid, self.template, self.fills = kernel, grid, template, fills
-        self.options, self.compiled = options, compiled
+        self.options, self.compiled, self.direct = options, compiled, direct
+
+
+_TENSOR_MAPS_KEPT = 16  # encoded descriptors kept per descriptor argument (the addresses a workload reuses)
+
+
+class _TensorMaps:
+    """One tensor-descriptor argument's encoded copy-engine descriptors (``cuTensorMapEncodeTiled``), by
+    base address: the recorded descriptor's fields over any tensor of the plan's key, encoded once per
+    address. An encoded descriptor holds the address, not the tensor."""
+
+    __slots__ = ("box", "meta", "maps", "encode")
+
+    def __init__(self, box: tuple, meta, encode):
+        self.box, self.meta, self.maps, self.encode = box, meta, {}, encode
+
+    def of(self, t: torch.Tensor):
+        address = t.data_ptr()
+        encoded = self.maps.get(address)
+        if encoded is None:
+            if len(self.maps) >= _TENSOR_MAPS_KEPT:
+                self.maps.clear()
+            encoded = self.maps[address] = self.encode(_rebuilt(self.box, t), self.meta)[0]
+        return encoded
+
+
+class _Direct:
+    """A recorded launch as the C function of Triton's CUDA launcher takes it: ``template`` is the
+    argument list after the grid and stream, with None where this call's tensors go; ``fills`` are
+    (position, slot, :class:`_TensorMaps` or None for a tensor passed as it is). Triton's Python
+    wrapper (``wrap_handle_tensordesc``) walks every argument on every launch and encodes each tensor
+    descriptor anew; here the walk happens once per plan and the encoding once per address."""
+
+    __slots__ = ("function", "template", "fills")
+
+    def __init__(self, function, template, fills):
+        self.function, self.template, self.fills = function, template, fills
+
+    @classmethod
+    def of(cls, compiled, function, arguments: list, fills) -> _Direct | None:
+        """The direct form of ``compiled`` (its ``function`` handle) launched on the recording's
+        ``arguments`` with its ``fills``, or None where Triton's launcher is not the one this knows:
+        scratch buffers to allocate per launch, another backend or another wrapper."""
+        launcher = compiled.run
+        if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+            return None
+        launch = getattr(launcher, "launch", None)
+        descriptors, descriptor_meta = (), ()
+        if hasattr(launch, "__code__"):  # wrap_handle_tensordesc's wrapper around the C function
+            closure = dict(zip(launch.__code__.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+            if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= closure.keys():
+                return None
+            launch, descriptors, descriptor_meta = (closure["launcher"], closure["tensordesc_indices"],
+                                                    closure["tensordesc_meta"])
+        if launch is None or hasattr(launch, "__code__"):
+            return None
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        recorded = {position: (slot, box) for position, slot, box in fills}
+        # the arguments of Triton 3.6's C launcher before the kernel's own, after the grid and stream: function,
+        # cooperative grid, PDL, global and profile scratch, kernel metadata, launch metadata, enter and exit hooks
+        template = [function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                    compiled.packed_metadata, None, None, None]
+        direct_fills, meta = [], iter(descriptor_meta)
+        for position, value in enumerate(arguments):
+            slot, box = recorded.get(position, (None, None))
+            if position not in descriptors:
+                if position in recorded:
+                    direct_fills.append((len(template), slot, None))
+                    value = None
+                template.append(value)
+                continue
+            meta_i = next(meta)
+            expanded = make_tensordesc_arg(value, meta_i)
+            # first the encoded descriptor, or (no metadata: not lowered to one) the base tensor; then
+            # shapes and strides, fixed by the key
+            maps = None if expanded[0] is value.base else _TensorMaps(box, meta_i, make_tensordesc_arg)
+            direct_fills.append((len(template), slot, maps))
+            template.extend([None, *expanded[1:]])
+        return cls(launch, template, tuple(direct_fills))
+
+    def __call__(self, grid: tuple, stream: int, call: tuple) -> None:
+        arguments = list(self.template)
+        for position, slot, maps in self.fills:
+            t = call[slot]
+            arguments[position] = t if maps is None else maps.of(t)
+        self.function(*grid, stream, *arguments)
 
 
 class LaunchPlan:
@@ -192,8 +282,11 @@ class LaunchPlan:
             fills.append((position, slot, box))
             template[position] = None  # a plan holds no tensors
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.launches.append(_Launch(kernel, grid, tuple(template), tuple(fills), options,
-                                     compiled if compiled is not None and hasattr(compiled, "function") else None))
+        compiled = compiled if compiled is not None and hasattr(compiled, "function") else None
+        direct = None
+        if compiled is not None and self.complete:
+            direct = _Direct.of(compiled, compiled.function, arguments, fills)
+        self.launches.append(_Launch(kernel, grid, tuple(template), tuple(fills), options, compiled, direct))
 
     def replay(self, call: tuple) -> bool:
         """The recorded launches on this call's tensors (bound in the order of the recording's);
@@ -201,17 +294,22 @@ class LaunchPlan:
         if any(call[first] is not call[later] for first, later in self.aliases):
             return False
         stream = None
+        hooked = _hooked()
         for launch in self.launches:
+            compiled = launch.compiled
+            if compiled is not None and not hooked:
+                if stream is None:
+                    stream = _stream_of()(torch.cuda.current_device())
+                if launch.direct is not None:
+                    launch.direct(launch.grid, stream, call)
+                    continue
             arguments = list(launch.template)
             for position, slot, box in launch.fills:
                 t = call[slot]
                 arguments[position] = t if box is None else _rebuilt(box, t)
-            compiled = launch.compiled
-            if compiled is None or _hooked():
+            if compiled is None or hooked:
                 launch.kernel[launch.grid](*arguments, **launch.options)
                 continue
-            if stream is None:
-                stream = _stream_of()(torch.cuda.current_device())
             compiled.run(*launch.grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *arguments)
         return True
