@@ -264,6 +264,51 @@ def test_vmap_of_grad_gives_per_entry_gradients(backend, device, case):
             torch.testing.assert_close(a[i] if d is not None else a.select(0, i), b)
 
 
+@pytest.mark.parametrize("case", ["grad-of-vmap", "vmap-of-vmap-of-grad", "vmap-of-vjp-shared-cotangent",
+                                  "empty-vmap", "empty-vmap-varlen", "vmapped-cu-seqlens"])
+def test_vmap_composes_with_the_other_transforms(backend, device, case):
+    # what a review found broken: gradients through vmap (a BatchedTensor never requires grad), nested
+    # vmap over the backward, a cotangent shared by the vmapped entries, and a vmap over no entries
+    g = torch.Generator().manual_seed(47)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    k, v = rand(2, 7, 2, 8), rand(2, 7, 2, 8)
+    fn = lambda q: flashtile.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    if case == "grad-of-vmap":
+        qs = rand(3, 2, 7, 2, 8)
+        got = torch.func.grad(lambda q: (torch.vmap(fn)(q) ** 2).sum())(qs)
+        leaf = qs.clone().requires_grad_()
+        expected, = torch.autograd.grad(sum((fn(leaf[i]) ** 2).sum() for i in range(3)), leaf)
+    elif case == "vmap-of-vmap-of-grad":
+        qs = rand(2, 3, 2, 7, 2, 8)
+        got = torch.vmap(torch.vmap(torch.func.grad(lambda q: (fn(q) ** 2).sum())))(qs)
+        leaf = qs.clone().requires_grad_()
+        expected, = torch.autograd.grad(sum((fn(leaf[i, j]) ** 2).sum() for i in range(2) for j in range(3)), leaf)
+    elif case == "vmap-of-vjp-shared-cotangent":  # only q vmapped: the gradient buffers must be vmapped still
+        qs, cotangent = rand(3, 2, 7, 2, 8), rand(2, 7, 2, 8)
+        got = torch.vmap(lambda q: torch.func.vjp(fn, q)[1](cotangent)[0])(qs)
+        leaf = qs.clone().requires_grad_()
+        expected, = torch.autograd.grad(sum((fn(leaf[i]) * cotangent).sum() for i in range(3)), leaf)
+    elif case == "empty-vmap":
+        qs = rand(0, 2, 7, 2, 8)
+        got, expected = torch.vmap(fn)(qs), qs.new_empty((0, 2, 7, 2, 8))
+    elif case == "vmapped-cu-seqlens":  # each entry its own packing: its bounds are not read while vmapped
+        bounds = torch.tensor([[0, 3, 7], [0, 5, 7], [0, 1, 7]], dtype=torch.int32, device=device)
+        qs = rand(3, 7, 2, 8)
+        packed = lambda q, cu: flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, causal=True)  # noqa: E731
+        got = torch.vmap(torch.func.grad(lambda q, cu: (packed(q, cu) ** 2).sum()))(qs, bounds)
+        leaf = qs.clone().requires_grad_()
+        expected, = torch.autograd.grad(sum((packed(leaf[i], bounds[i]) ** 2).sum() for i in range(3)), leaf)
+    else:
+        cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+        qs = rand(0, 7, 2, 8)
+        got = torch.vmap(lambda q: flashtile.flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, 4, 4))(qs)
+        expected = qs.new_empty((0, 7, 2, 8))
+    torch.testing.assert_close(got, expected)
+
+
 def test_jacrev_matches_autograd_row_by_row(backend, device):
     # jacrev is vmap over vjp: only the incoming gradient is vmapped
     g = torch.Generator().manual_seed(43)

@@ -87,9 +87,10 @@ def check_packed(name, t, ndim, count) -> None:
 def checks_contents(t: torch.Tensor) -> bool:
     """Whether an index tensor's values are checked: always on the CPU, where reading them is free;
     on a GPU with ``FLASHTILE_CHECK_INPUTS=1`` (one sync per tensor); never while torch.compile
-    traces (the values are data it cannot branch on). Unchecked, the kernels still never touch memory
-    outside their tensors (each module's docstring says what a bad value gives)."""
-    if torch.compiler.is_compiling():
+    traces (the values are data it cannot branch on), nor on a tensor torch.func wraps (vmap's have no
+    values to read). Unchecked, the kernels still never touch memory outside their tensors (each
+    module's docstring says what a bad value gives)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t):
         return False
     return t.device.type == "cpu" or os.environ.get(CHECK_INPUTS_VARIABLE) == "1"
 

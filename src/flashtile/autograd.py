@@ -100,9 +100,13 @@ class TransformableFlashAttnFunction(FlashAttnFunction):
     @staticmethod
     def backward(ctx, dout, _dlse):
         # the operator writes the gradients into these buffers: under torch.vmap they must be vmapped
-        # where the incoming gradient is, as new_empty's are (empty_like of an input is not where only
-        # the gradient is vmapped: jacrev)
-        buffers = [dout.new_empty(t.shape) if t is not None else None for t in ctx.saved_tensors[:3]]
+        # wherever anything of the call is (only the incoming gradient under jacrev, only an input where a
+        # shared gradient is pulled back), as new_empty's of a sum of all of them are
+        anchor = dout.new_zeros(())
+        for t in ctx.saved_tensors:
+            if t is not None:
+                anchor = anchor + t.new_zeros((), dtype=dout.dtype)
+        buffers = [anchor.new_empty(t.shape) if t is not None else None for t in ctx.saved_tensors[:3]]
         return _gradients(ctx, dout, buffers)
 
 
@@ -114,11 +118,14 @@ def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: Attenti
     costs ~20 µs of host time per call on a CPU core, as much as a small call's launch (benchmarks/NOTES.md,
     "Host time")."""
     bias, sink = tensors.attn_bias, tensors.learnable_sink
+    # under torch.func's transforms a wrapped tensor's requires_grad says nothing of the levels below it (a
+    # BatchedTensor's is False where the tensor it wraps needs a gradient: grad of vmap): always the Function
+    transformed = torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling()
     # spelled out, not any() over a generator: this runs on every call. q, k and v want a gradient where
     # the inputs they are views of do
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                              or (bias is not None and bias.requires_grad)
-                                              or (sink is not None and sink.requires_grad))
+    wants_grad = transformed or (torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad)
+        or (sink is not None and sink.requires_grad)))
     if not wants_grad:
         return call_fwd(q, k, v, tensors, options)
     if differentiable(q, k, v, tensors, options):
@@ -129,6 +136,5 @@ def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: Attenti
     alibi_slopes, _, dropout_seed, cu_seqlens_q, cu_seqlens_k, _ = tensors
     if cu_seqlens_k is cu_seqlens_q:
         cu_seqlens_k = None  # FlashAttnFunction's spelling of "the same" (Dynamo refuses one tensor passed twice)
-    transformed = not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
     function = TransformableFlashAttnFunction if transformed else FlashAttnFunction
     return function.apply(layout, a, b, c, alibi_slopes, bias, dropout_seed, cu_seqlens_q, cu_seqlens_k, sink, options)

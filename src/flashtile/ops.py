@@ -211,6 +211,16 @@ def _folded(t: torch.Tensor, dim, size: int) -> torch.Tensor:
     return t.reshape(size * t.shape[1], *t.shape[2:])
 
 
+def _folded_buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A buffer the operator writes, its vmapped dim first, with that dim joined to its batch dim → (a view
+    of it where the layout allows, else a copy to be copied back; whether it is a copy)."""
+    shape = (t.shape[0] * t.shape[1], *t.shape[2:])
+    try:
+        return t.view(shape), False
+    except RuntimeError:
+        return t.reshape(shape), True
+
+
 def _slices(arguments, in_dims, i: int) -> list:
     return [a if d is None else a.select(d, i) for a, d in zip(arguments, in_dims)]
 
@@ -218,11 +228,14 @@ def _slices(arguments, in_dims, i: int) -> list:
 def _fwd_vmap(info, in_dims, q, k, v, *arguments):
     tensors, options = _fields(arguments)
     size = info.batch_size
-    if not _foldable(in_dims, tensors, options, False):  # entry by entry
+    if size > 0 and not _foldable(in_dims, tensors, options, False):  # entry by entry (no entry: folded)
         outputs = [fwd_op(*_slices((q, k, v, *arguments), in_dims, i)) for i in range(size)]
         return tuple(torch.stack(parts) for parts in zip(*outputs)), (0, 0)
     out, lse = fwd_op(*(_folded(t, d, size) for t, d in zip((q, k, v), in_dims)), *arguments)
-    return (out.unflatten(0, (size, -1)), lse.unflatten(0, (size, -1))), (0, 0)
+    # each entry's batch (its tokens, packed: folded only with no entry), lse's dim 1 where packed
+    rows = q.shape[0] if in_dims[0] is None else q.shape[1 if in_dims[0] == 0 else 0]
+    lse_axis = 1 if tensors.is_varlen else 0
+    return (out.unflatten(0, (size, rows)), lse.unflatten(lse_axis, (size, rows))), (0, lse_axis)
 
 
 def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments):
@@ -232,16 +245,16 @@ def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *ar
         raise ValueError("flashtile::bwd under torch.vmap: dq, dk and dv must be vmapped like its inputs "
                          "(the gradients differ per vmapped entry)")
     shared_gradient = bias_grad or tensors.learnable_sink is not None
-    if not _foldable(in_dims, tensors, options, shared_gradient):  # entry by entry, into views of dq, dk, dv
+    if size > 0 and not _foldable(in_dims, tensors, options, shared_gradient):  # entry by entry, into views of dq, dk, dv
         outputs = [bwd_op(*_slices((dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *arguments), in_dims, i))
                    for i in range(size)]
         return tuple(torch.stack(parts) for parts in zip(*outputs)), (0, 0)
     grads = [g.movedim(d, 0) for g, d in zip((dq, dk, dv), in_dims[6:9])]
-    folded = [_folded(g, 0, size) for g in grads]  # views where the layout allows, else copies
+    folded, copied = zip(*(_folded_buffer(g) for g in grads))  # views where the layout allows, else copies
     empty = bwd_op(*(_folded(t, d, size) for t, d in zip((dout, q, k, v, out, lse), in_dims)), *folded,
                    bias_grad, *arguments)
-    for grad, written in zip(grads, folded):
-        if written.data_ptr() != grad.data_ptr():
+    for grad, written, copy in zip(grads, folded, copied):
+        if copy:
             grad.copy_(written.view(grad.shape))
     return empty, (None, None)
 
