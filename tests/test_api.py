@@ -309,6 +309,25 @@ def test_vmap_composes_with_the_other_transforms(backend, device, case):
     torch.testing.assert_close(got, expected)
 
 
+def test_compiled_grad_transform_is_never_silently_wrong(device):
+    # torch.compile over torch.func.grad traced the bare operator and returned zero gradients; with an autograd
+    # formula on the operator it raises instead (PyTorch's Function for an operator's formula is not one that
+    # torch.func takes). Either an error or the eager gradients: never other numbers
+    g = torch.Generator().manual_seed(53)
+    q, k, v = (torch.randn(2, 7, 2, 8, generator=g).to(device) for _ in range(3))
+
+    def loss(q):
+        return (flashtile.flash_attn_func(q, k, v, causal=True) ** 2).sum()
+
+    expected = torch.func.grad(loss)(q)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(torch.func.grad(loss), fullgraph=True)(q)
+    except Exception:  # noqa: BLE001 - Dynamo wraps the operator's refusal in its own exception types
+        return
+    torch.testing.assert_close(got, expected)
+
+
 def test_jacrev_matches_autograd_row_by_row(backend, device):
     # jacrev is vmap over vjp: only the incoming gradient is vmapped
     g = torch.Generator().manual_seed(43)

@@ -15,9 +15,10 @@ and one CompositeExplicitAutograd kernel each (``torch.library.Library``), not w
 ``torch.library.custom_op``, which wraps every call in a Python autograd kernel and a Dynamo
 guard and, for the mutating backward, re-reads the schema's defaults: a forward+backward's host
 time fell from ~390 to ~220 µs on a CPU core without them (benchmarks/NOTES.md, "Host
-overhead"). The operators have no autograd kernel, so :func:`attention_forward` and
-:func:`attention_backward` below refuse inputs that need grad rather than let PyTorch's fallback
-leave their gradients None.
+overhead"). Gradients come from ``flashtile.autograd``'s Function, around the operators; the forward
+operator also has an autograd formula of its own, for traced graphs that hold it without the Function
+(torch.compile over torch.func.grad), which eager calls never reach. :func:`attention_forward` and
+:func:`attention_backward` below are not differentiable and refuse inputs that need grad.
 
 Device dispatch (:func:`backend`, :func:`uses_triton`): CUDA tensors run the Triton kernels
 (``flashtile.triton.launch``); CPU tensors run the CPU path (``flashtile.cpu``: PyTorch's fused CPU
@@ -259,6 +260,31 @@ def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dq, dk, dv, bias_grad, *ar
     return empty, (None, None)
 
 
+# ----------------------------------------------------------------------------------------------
+# flashtile::fwd's own autograd formula, for graphs that hold the operator where no Function was recorded:
+# torch.compile over torch.func.grad shows the call tensors that do not say they need a gradient, so
+# flashtile.autograd leaves the Function out and the traced graph holds the bare operator. Eager calls never
+# reach it (they skip the dispatcher, or run the operator inside the Function with gradients off).
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, *arguments = inputs
+    tensors, ctx.options = _fields(arguments)
+    ctx.save_for_backward(q, k, v, *output, *tensors)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    tensors = AttentionTensors(*saved)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[4]
+    dbias, dsink = bwd_op(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+    sink_grad = tensors.learnable_sink is not None and ctx.needs_input_grad[8]
+    return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, dsink if sink_grad else None,
+            *(None for _ in AttentionOptions._fields))
+
+
 if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook autoreload) keeps the first
     _LIBRARY = torch.library.Library("flashtile", "DEF")  # registrations live as long as this object
     # pt2_compliant_tag: what custom_op would add, and what torch.compile's strict op check asks for
@@ -268,6 +294,7 @@ if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook
         torch.library.register_fake(f"flashtile::{_name}", _fake, lib=_LIBRARY)
     torch.library.register_vmap("flashtile::fwd", _fwd_vmap, lib=_LIBRARY)
     torch.library.register_vmap("flashtile::bwd", _bwd_vmap, lib=_LIBRARY)
+    torch.library.register_autograd("flashtile::fwd", _fwd_backward, setup_context=_fwd_setup_context, lib=_LIBRARY)
 
 fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
