@@ -279,7 +279,7 @@ def _fwd_backward(ctx, dout, _dlse):
     tensors = AttentionTensors(*saved)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[4]
-    dbias, dsink = bwd_op(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, bias_grad, *tensors, *ctx.options)
+    dbias, dsink = call_bwd(dout, q, k, v, out, lse, dq, dk, dv, bias_grad, tensors, ctx.options)
     sink_grad = tensors.learnable_sink is not None and ctx.needs_input_grad[8]
     return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, dsink if sink_grad else None,
             *(None for _ in AttentionOptions._fields))
@@ -298,7 +298,6 @@ if not hasattr(torch.ops.flashtile, "fwd"):  # a reload of this module (notebook
 
 fwd_op = torch.ops.flashtile.fwd.default
 bwd_op = torch.ops.flashtile.bwd.default
-
 
 
 def _plain_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
