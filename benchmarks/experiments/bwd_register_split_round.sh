@@ -1,17 +1,20 @@
-# The fused backward's register split at head dim 128 (232/24/24; benchmarks/NOTES.md, seventeenth session), on a GPU:
+# The fused backward's register split at head dim 128 (232/24/24) and the early release of each Q/dO stage
+# (benchmarks/NOTES.md, seventeenth and eighteenth sessions), on a GPU:
 #   mkdir .baseline && git archive HEAD src | tar -x -C .baseline     (the tree before; carried to the device)
-#   git apply benchmarks/experiments/bwd_register_split.patch
-#   bash benchmarks/experiments/bwd_register_split_round.sh           (the backward tests, then before/after alternating)
+#   TREES="before:.baseline/src split:.round/split/src after:src"     (label:PYTHONPATH pairs, timed alternating)
+#   bash benchmarks/experiments/bwd_register_split_round.sh           (the backward tests of src, then the trees)
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); left() { echo $(( $1 - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee $OUT/env.txt
 PYTHONPATH=src timeout 80 python3 -m pytest -q -n 14 tests/test_hopper.py -k "backward or bwd" > $OUT/pytest.log 2>&1
 tail -1 $OUT/pytest.log; grep -E "^(FAILED|ERROR)" $OUT/pytest.log | head -5
 for i in 1 2; do
-  for tree in .baseline/src src; do
-    tag=$( [ $tree = src ] && echo after || echo before )
+  for pair in ${TREES:-before:.baseline/src after:src}; do
+    tag=${pair%%:*}; tree=${pair#*:}
     [ $(left ${BUDGET:-500}) -gt 30 ] || break
-    PYTHONPATH=$tree timeout $(left ${BUDGET:-500}) python3 benchmarks/experiments/bwd_register_split_round.py --label $tag$i --seqlens 2048,8192 --rep 20 --out $OUT/$tag$i.json > $OUT/$tag$i.log 2>&1; cat $OUT/$tag$i.log
+    PYTHONPATH=$tree timeout $(left ${BUDGET:-500}) python3 benchmarks/experiments/bwd_register_split_round.py \
+      --label $tag$i --seqlens ${SEQLENS:-2048,8192} --rep 20 --out $OUT/$tag$i.json > $OUT/$tag$i.log 2>&1
+    cat $OUT/$tag$i.log
   done
 done
 echo "elapsed $(( $(date +%s) - T0 )) s"
