@@ -126,12 +126,11 @@ def _dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, learnable_s
     removed negated. O(N²) memory, formed by the reference."""
     with torch.no_grad():
         qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))  # float32: P exact to its rounding
-        seed = int(dropout_seed.item())
         _, _, p = reference.attention_forward(
             qt, kt, vt, options.softmax_scale, window_size=options.window, softcap=options.softcap,
             alibi_slopes=alibi_slopes, attn_bias=attn_bias, learnable_sink=learnable_sink,
         )
-        keep = reference.dropout_keep_mask(seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+        keep = reference.dropout_keep_mask(dropout_seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                            options.dropout_p, device=q.device)
         return torch.where(keep, p, -p).to(q.dtype)
 

@@ -33,18 +33,19 @@ def _mul_wide(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox_uniform(seed: int, seq_head: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def philox_uniform(seed, seq_head: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in [0, 1) of the dropout mask, bit-identical to the kernels' draw.
 
     Philox-4x32-10 (``triton.language.random.philox``) with key
     ``(seed mod 2³², seed >> 32)`` and counter ``(j, i, seq_head, 0)``; the first
     output word is mapped to [0, 1) as ``tl.random.uint_to_uniform_float`` does.
-    ``seq_head`` [..., 1, 1] is ``batch·nheads + head``; rows [BM] and cols [BN] are
-    query and key positions. Returns [..., BM, BN].
+    ``seed`` is a non-negative int, or an int64 tensor of one element, which is never read on
+    the host (under ``torch.vmap`` each entry has its own). ``seq_head`` [..., 1, 1] is
+    ``batch·nheads + head``; rows [BM] and cols [BN] are query and key positions. Returns [..., BM, BN].
     """
-    seed = int(seed)
-    k0, k1 = seed & _UINT32, (seed >> 32) & _UINT32
     device = rows.device
+    seed = seed.to(device=device, dtype=torch.int64).reshape(()) if isinstance(seed, torch.Tensor) else int(seed)
+    k0, k1 = seed & _UINT32, (seed >> 32) & _UINT32
     c0 = cols.to(torch.int64)[None, :] & _UINT32  # [1, BN]
     c1 = rows.to(torch.int64)[:, None] & _UINT32  # [BM, 1]
     c2 = seq_head.to(device=device, dtype=torch.int64) & _UINT32  # [..., 1, 1]
@@ -62,12 +63,12 @@ def philox_uniform(seed: int, seq_head: torch.Tensor, rows: torch.Tensor, cols: 
     return x.to(torch.float32) * torch.tensor(_INT32_TO_UNIFORM, dtype=torch.float32, device=device)
 
 
-def keep_mask_block(seed: int, seq_head, rows, cols, dropout_p: float) -> torch.Tensor:
+def keep_mask_block(seed, seq_head, rows, cols, dropout_p: float) -> torch.Tensor:
     """Boolean [..., BM, BN]: kept iff the Philox uniform of :func:`philox_uniform` is ≥ dropout_p (float32)."""
     return philox_uniform(seed, seq_head, rows, cols) >= torch.tensor(dropout_p, dtype=torch.float32)
 
 
-def dropout_keep_mask(seed: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+def dropout_keep_mask(seed, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                       device=None) -> torch.Tensor:
     """Boolean [batch, nheads, seqlen_q, seqlen_k]: which probabilities survive dropout.
 
