@@ -253,11 +253,14 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
         # dK completes first: with dK's and dQ's accumulators in flight together ptxas serialized every
         # wgmma for want of registers (head dim 128)
         dk = warpgroup_mma_wait(0, deps=(dk_token, ))
+        # Qᵢ and dOᵢ are read (dQᵢ needs neither): released before the turn, so that the producer refills the
+        # stage one dQ matmul sooner and the turn's wait on dq_empty needs no warpgroup barrier before it
+        # (Triton puts one before each single-thread arrive and most waits)
+        mbarrier.arrive(empty.index(stage))
         if t % 2 == which:
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
             dq_token = warpgroup_mma(ds_buffer.permute((1, 0)), k_all, dq_unused, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq_token, ))
-            mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
             # -- hand dQᵢ to the writer warps, once they have taken the previous step's
             mbarrier.wait(dq_empty, (t & 1) ^ 1)
             if tiling.DQ_BY_TMA:
@@ -267,8 +270,6 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
                 dq_smem.store(dq)
             gl.thread_barrier()
             mbarrier.arrive(dq_full)
-        else:
-            mbarrier.arrive(empty.index(stage))
 
     # -- dK and dV rows of this warpgroup's keys, straight from registers
     out_keys = my_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -340,12 +341,17 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                 n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
     producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, tiling)
-    # the kernel's own 4 warps are consumer 0; setmaxnreg gives the producer and the writers 32 registers
-    # a thread (they share a warpgroup, which setmaxnreg sets as a whole)
+    # the kernel's own 4 warps are consumer 0, which setmaxnreg gives what the other partitions leave of the
+    # 64 K registers; the producer and the writers share a warpgroup, which setmaxnreg sets as a whole
     if DQ_BY_TMA:
+        # head dim 128: the writer and the producer need no more than 24 registers a thread; consumer 1 at 232
+        # leaves consumer 0 248. With 240/32/32 consumer 0 ran at 232 and held 30 of the kernel's 33 spill
+        # instructions (sm_90a SASS, static count; 46 M executed at N = 16384 on an H100, 22x cuDNN's); now
+        # 2 (full) and 16 (causal, from 61). 240/24/24 spilled more (8 / 32): ptxas schedules differently at
+        # each budget. tests/test_gluon_compile.py prints ptxas's report; benchmarks/NOTES.md has the timings
         writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
-                            (_dq_writer_tma, writer)], [4, 1, 1], [240, 32, 32])
+                            (_dq_writer_tma, writer)], [4, 1, 1], [232, 24, 24])
     else:
         writer = (dq_smem, dq_full, dq_empty, DQAccum, stride_ab, stride_as, stride_ah, i_b, i_hk, first_m, m_blocks,
                   n_steps, group_size, tiling)

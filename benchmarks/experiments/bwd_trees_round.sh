@@ -1,8 +1,8 @@
-# The fused backward's register split at head dim 128 (232/24/24) and the early release of each Q/dO stage
-# (benchmarks/NOTES.md, seventeenth and eighteenth sessions), on a GPU:
+# The fused backward in several trees, timed alternating on one GPU (benchmarks/NOTES.md, eighteenth session):
 #   mkdir .baseline && git archive HEAD src | tar -x -C .baseline     (the tree before; carried to the device)
-#   TREES="before:.baseline/src split:.round/split/src after:src"     (label:PYTHONPATH pairs, timed alternating)
-#   bash benchmarks/experiments/bwd_register_split_round.sh           (the backward tests of src, then the trees)
+#   TREES="before:.baseline/src after:src"                            (label:PYTHONPATH pairs; this is the default)
+#   HEADDIMS=128 SEQLENS=2048,8192 BUDGET=500                         (the defaults)
+#   bash benchmarks/experiments/bwd_trees_round.sh                    (the backward tests of src, then the trees)
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); left() { echo $(( $1 - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee $OUT/env.txt
@@ -12,8 +12,9 @@ for i in 1 2; do
   for pair in ${TREES:-before:.baseline/src after:src}; do
     tag=${pair%%:*}; tree=${pair#*:}
     [ $(left ${BUDGET:-500}) -gt 30 ] || break
-    PYTHONPATH=$tree timeout $(left ${BUDGET:-500}) python3 benchmarks/experiments/bwd_register_split_round.py \
-      --label $tag$i --seqlens ${SEQLENS:-2048,8192} --rep 20 --out $OUT/$tag$i.json > $OUT/$tag$i.log 2>&1
+    PYTHONPATH=$tree timeout $(left ${BUDGET:-500}) python3 benchmarks/experiments/bwd_trees_round.py \
+      --label $tag$i --headdims ${HEADDIMS:-128} --seqlens ${SEQLENS:-2048,8192} --rep 20 --out $OUT/$tag$i.json \
+      > $OUT/$tag$i.log 2>&1
     cat $OUT/$tag$i.log
   done
 done

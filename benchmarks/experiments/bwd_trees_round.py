@@ -1,4 +1,4 @@
-"""The fused backward at head dim 128 (fwd+bwd − fwd, kernels in CUDA graphs, medians), cuDNN in the same run.
+"""The fused backward (fwd+bwd − fwd, kernels in CUDA graphs, medians), cuDNN in the same run, for one tree.
 Run per tree with PYTHONPATH=<tree>/src."""
 import argparse, json, torch, triton, triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
