@@ -62,6 +62,11 @@ measure of pressure:
     pipe_dp     64        0 / 0                 0 / 0              116272     no
     pipe_turns  64        0 / 0                 0 / 0              116288     no
 
+Ported in the eighteenth session to the accumulator in dQ's own layout and to sm90_bwd's register split
+(232/24/24 at head dim 128; 16 for the producer and writer fails to compile): ``pipe`` d128 spills 72 / 72 B
+(full) and 92 / 100 B (causal), 20 and 32 spill instructions in the SASS, all but 2 in consumer 1 (232
+registers), where the shipped kernel, with the same split, has 2 and 16. Not rerun on a GPU since.
+
 Measured (H100 80GB HBM3, torch 2.11, two runs of ``bwd_next_round.py`` on two machines, backward only,
 16384 tokens; × cuDNN, current → variant): at head dim 128 ``pipe`` was 1.00–1.07× ``current`` in the
 first run (full 0.909/0.938/0.951 against 0.890/0.914/0.889 at N = 2048/8192/16384) and 0.99–1.06×
@@ -146,7 +151,7 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M
         for w in gl.static_range(2):
             mbarrier.wait(dq_full.index(w), t & 1)
-            _async_reduce_add(dq_desc, [i_b, i_hq, start_m, w * HALF], dq_smem.index(w))
+            _async_reduce_add(dq_desc, [i_b, start_m, i_hq, w * HALF], dq_smem.index(w))
         tma.store_wait(1)
         mbarrier.arrive(dq_empty.index(0))
         tma.store_wait(0)
@@ -319,7 +324,7 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 @gluon.jit
 def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, DQAccum,
                                stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab,
-                               stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                               stride_as, stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
                                CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
                                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PREFETCH_DP: gl.constexpr,
                                DQ_SPLIT: gl.constexpr):
@@ -347,7 +352,7 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_SPLIT:  # each warpgroup's dQ column half on its way to the writer, in the accumulator descriptor's box
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HALF], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 1, HALF], dq_desc.layout)
     else:  # sm90_bwd's staging for its atomic writer warps: the swizzle spreads the wgmma layout's stores
         dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
@@ -376,14 +381,19 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
     producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps,
                 group_size, tiling)
-    # the kernel's own 4 warps are consumer 0; setmaxnreg gives the producer and the writers 32 registers
-    # a thread (they share a warpgroup, which setmaxnreg sets as a whole)
-    if DQ_SPLIT:
+    # the kernel's own 4 warps are consumer 0, which setmaxnreg gives what the other partitions leave; the
+    # producer and the writers share a warpgroup, which setmaxnreg sets as a whole. At head dim 128 sm90_bwd's
+    # split (consumer 0 at 248, consumer 1 at 232)
+    if DQ_SPLIT and HEAD_DIM == 128:
+        writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
+        gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
+                            (_dq_writer, writer)], [4, 1, 1], [232, 24, 24])
+    elif DQ_SPLIT:
         writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer, writer)], [4, 1, 1], [240, 32, 32])
     else:
-        writer = (dq_smem, dq_full.index(0), dq_empty.index(0), DQAccum, stride_ab, stride_ah, i_b, i_hk, first_m,
+        writer = (dq_smem, dq_full.index(0), dq_empty.index(0), DQAccum, stride_ab, stride_as, stride_ah, i_b, i_hk, first_m,
                   m_blocks, n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_atomics, (0, ) + writer), (_dq_writer_atomics, (1, ) + writer)],
@@ -391,10 +401,10 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
 
 
 def _half_accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A descriptor over the [batch, nheads, padded seqlen, head_dim] float32 dQ accumulator whose box
-    is one block's rows and half its columns (unswizzled, as sm90_bwd's whole-row box)."""
+    """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
+    is one block's rows of one head and half its columns (unswizzled, as sm90_bwd's whole-row box)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, t.shape[-1] // 2], layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, t.shape[-1] // 2], layout)
 
 
 def _kernel_arguments(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scale, causal, variant):
@@ -405,7 +415,7 @@ def _kernel_arguments(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scal
         dq_desc=_half_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum,
         stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1),
+        stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1), stride_ah=dq_accum.stride(2),
         group_size=q.shape[2] // k.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KEYS=KEYS, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,
@@ -425,12 +435,13 @@ def flash_attn_backward_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale:
     _bwd_preprocess_kernel[(padded_q // BLOCK_M, nheads_q, batch)](
         o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
         DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),
-        stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_ah=dq_accum.stride(1), seqlen_q=seqlen_q,
+        stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1),
+        stride_ah=dq_accum.stride(2), seqlen_q=seqlen_q,
         ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
     )
     _attn_bwd_sm90_next_kernel[(-(-seqlen_k // BLOCK_N), k.shape[2], batch)](
         **_kernel_arguments(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scale, causal, variant))
-    dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
+    dq.copy_(dq_accum[:, :seqlen_q])
     return delta[:, :, :seqlen_q]
 
 
@@ -443,7 +454,7 @@ def compile_sm90(variant: str, head_dim: int, causal: bool):
     in (compiling reads only dtypes, shapes, strides and alignment). The caller sets the driver."""
     q = torch.empty(2, 1024, 4, head_dim, dtype=torch.bfloat16)
     stats = torch.empty(2, 4, 1024)
-    accum = torch.empty(2, 4, 1024, head_dim)
+    accum = torch.empty(2, 1024, 4, head_dim)
     return _attn_bwd_sm90_next_kernel.warmup(
         **_kernel_arguments(q, q, q, q, stats, stats, accum, q, q, 0.07, causal, variant), grid=(1, ))
 
