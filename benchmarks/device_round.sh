@@ -25,10 +25,14 @@
 #   bash benchmarks/device_round.sh serving   issue 23's figures: the decode and serving tests, features_round's fp8-decode,
 #                                             paged-prefill and mixed-batch cases twice, and the float8 decode's spread
 #                                             over fresh caches (benchmarks/experiments/fp8_decode_variance.py)
+#   bash benchmarks/device_round.sh tables    the tables issues 19, 20 and 23 ask for, in one call: the training
+#                                             sweep and steps (benchmarks/bwd_round.sh timings), the short rows
+#                                             (experiments/persistent_grids.py, seqlen 512-2048), the host time per
+#                                             layer, and features_round's fp8-decode, paged-prefill and mixed-batch
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
 if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
-   && [ "$1" != verify ] && [ "$1" != serving ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving" >&2
+   && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -48,6 +52,21 @@ if [ "$1" = tests ]; then
 fi
 if [ "$1" = features ]; then
   timeout ${FEATURES_LIMIT:-470} python3 benchmarks/features_round.py --out $OUT/features.json 2>&1 | tee $OUT/features.log
+  exit
+fi
+if [ "$1" = tables ]; then
+  T0=$(date +%s)
+  bash benchmarks/bwd_round.sh timings 2>&1 | grep -vE "^(NVIDIA|torch)"  # bench.log, bench/, training_step.*
+  echo "== short rows at $(( $(date +%s) - T0 )) s"
+  timeout 130 python3 benchmarks/experiments/persistent_grids.py --seqlens 512,1024,2048 > $OUT/short.log 2>&1
+  tail -16 $OUT/short.log
+  echo "== host time at $(( $(date +%s) - T0 )) s"
+  timeout 60 python3 benchmarks/host_overhead.py --layers > $OUT/host.log 2>&1; tail -13 $OUT/host.log
+  echo "== serving at $(( $(date +%s) - T0 )) s"
+  timeout $(( 585 - ($(date +%s) - T0) )) python3 benchmarks/features_round.py \
+    --cases fp8-decode paged-prefill mixed-batch > $OUT/features.log 2>&1
+  grep -E "copy|paged|mixed" $OUT/features.log | tail -14
+  echo "elapsed $(( $(date +%s) - T0 )) s"
   exit
 fi
 if [ "$1" = serving ]; then
