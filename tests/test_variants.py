@@ -396,11 +396,14 @@ def test_window_accepts_integer_like_bounds(backend):
         (dict(softmax_scale=math.nan), ValueError, "softmax_scale must be finite"),
         (dict(softmax_scale=math.inf), ValueError, "softmax_scale must be finite"),
         (dict(softmax_scale="x"), TypeError, "softmax_scale must be a number, got str"),
+        (dict(softmax_scale=1e300), ValueError, "softmax_scale must be finite in float32"),
+        (dict(softcap=-1e300), ValueError, "softcap must be finite in float32"),
         (dict(dropout_p=None), TypeError, "dropout_p must be a number"),
     ],
     ids=["window-len1", "window-below-minus-1", "window-float", "window-int", "alibi-length", "alibi-rank",
          "alibi-dtype", "softcap-negative", "dropout-negative", "dropout-one", "window-bool", "softcap-nan",
-         "softcap-none", "scale-nan", "scale-inf", "scale-str", "dropout-none"],
+         "softcap-none", "scale-nan", "scale-inf", "scale-str", "scale-beyond-float32", "softcap-beyond-float32",
+         "dropout-none"],
 )
 def test_bad_variant_arguments_raise(kwargs, error, message):
     if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):

@@ -192,6 +192,18 @@ def finite_number(name: str, value) -> float:
     return value
 
 
+def finite_float32(name: str, value) -> float:
+    """:func:`finite_number` that float32 holds: the kernels take scalars in float32, where a larger one would
+    become inf and the result NaN."""
+    value = finite_number(name, value)
+    if abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|{name}| ≤ {_FLOAT32_MAX:.3g}), got {value}")
+    return value
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_alibi(alibi_slopes, batch: int, nheads: int, device):
     """→ the slopes, contiguous: float32 (nheads,) or (batch, nheads); None passes through."""
     if alibi_slopes is None:
@@ -303,7 +315,7 @@ def check_learnable_sink(learnable_sink, nheads: int, device):
 
 
 def check_softcap(softcap) -> float:
-    softcap = finite_number("softcap", softcap)
+    softcap = finite_float32("softcap", softcap)
     if softcap < 0:
         raise ValueError(f"softcap must be a number ≥ 0 (0 = off), got {softcap!r}")
     return softcap
@@ -367,7 +379,7 @@ def _options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout
     softcap, dropout_p = check_softcap(softcap), check_dropout(dropout_p)
     left, right = window(window_size, causal)
     if softmax_scale is not None:
-        softmax_scale = finite_number("softmax_scale", softmax_scale)
+        softmax_scale = finite_float32("softmax_scale", softmax_scale)
     return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
                             max_seqlen_q, max_seqlen_k, False, returns_lse)
 
