@@ -327,19 +327,26 @@ def test_compiled_grad_transform_is_never_silently_wrong(device):
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("layout", ["batch", "varlen"])
 @pytest.mark.parametrize("randomness", ["different", "same"])
-def test_vmap_returns_each_entry_s_dropout_mask(backend, device, randomness):
+def test_vmap_returns_each_entry_s_dropout_mask(backend, device, randomness, layout):
     # return_attn_probs with dropout under vmap: each entry's S_dmask is the mask its output was computed
     # with, one mask per entry or one for all as vmap's randomness flag asks (its seed is never read on the host)
     g = torch.Generator().manual_seed(53)
     q, k, v = (torch.randn(3, 1, 17, 2, 16, generator=g).to(device) for _ in range(3))
     dropout_p = 0.3
-    fn = lambda q, k, v: flashtile.flash_attn_func(q, k, v, dropout_p=dropout_p, return_attn_probs=True)  # noqa: E731
+    if layout == "batch":
+        fn = lambda q, k, v: flashtile.flash_attn_func(q, k, v, dropout_p=dropout_p,  # noqa: E731
+                                                       return_attn_probs=True)
+    else:  # one packed sequence of 17 tokens: its S_dmask is the batch layout's
+        cu_seqlens = torch.tensor([0, 17], dtype=torch.int32, device=device)
+        fn = lambda q, k, v: flashtile.flash_attn_varlen_func(  # noqa: E731
+            q[0], k[0], v[0], cu_seqlens, cu_seqlens, 17, 17, dropout_p=dropout_p, return_attn_probs=True)
     out, _, probs = torch.vmap(fn, randomness=randomness)(q, k, v)
     assert probs.shape == (3, 1, 2, 17, 17)
     keep = ~torch.signbit(probs)
     kept = torch.where(keep, probs.abs(), 0.0) / (1 - dropout_p)
-    torch.testing.assert_close(out, torch.einsum("ebhqk,ebkhd->ebqhd", kept, v))
+    torch.testing.assert_close(out.reshape(q.shape), torch.einsum("ebhqk,ebkhd->ebqhd", kept, v))
     assert all(torch.equal(keep[0], keep[i]) == (randomness == "same") for i in (1, 2))
 
 

@@ -193,15 +193,16 @@ def finite_number(name: str, value) -> float:
 
 
 def finite_float32(name: str, value) -> float:
-    """:func:`finite_number` that float32 holds: the kernels take scalars in float32, where a larger one would
-    become inf and the result NaN."""
+    """:func:`finite_number` that the kernels can hold: they take it in float32 times log2 e (1.44), where a
+    larger one would become inf and the result NaN."""
     value = finite_number(name, value)
-    if abs(value) > _FLOAT32_MAX:
-        raise ValueError(f"{name} must be finite in float32 (|{name}| ≤ {_FLOAT32_MAX:.3g}), got {value}")
+    if abs(value) > KERNEL_SCALAR_MAX:
+        raise ValueError(f"{name} must be at most {KERNEL_SCALAR_MAX:.3g} in magnitude (the kernels take it in "
+                         f"float32), got {value}")
     return value
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+KERNEL_SCALAR_MAX = torch.finfo(torch.float32).max / 2  # room for the factor log2 e = 1.44
 
 
 def check_alibi(alibi_slopes, batch: int, nheads: int, device):
@@ -380,8 +381,12 @@ def _options(head_dim: int, softmax_scale, causal, window_size, softcap, dropout
     left, right = window(window_size, causal)
     if softmax_scale is not None:
         softmax_scale = finite_float32("softmax_scale", softmax_scale)
-    return AttentionOptions(default_softmax_scale(head_dim, softmax_scale), left, right, softcap, dropout_p,
-                            max_seqlen_q, max_seqlen_k, False, returns_lse)
+    softmax_scale = default_softmax_scale(head_dim, softmax_scale)
+    if softcap > 0 and abs(softmax_scale / softcap) > KERNEL_SCALAR_MAX:  # the kernels scale scores by this
+        raise ValueError(f"softmax_scale / softcap must be at most {KERNEL_SCALAR_MAX:.3g} in magnitude (the "
+                         f"kernels take it in float32), got {softmax_scale} / {softcap}")
+    return AttentionOptions(softmax_scale, left, right, softcap, dropout_p, max_seqlen_q, max_seqlen_k, False,
+                            returns_lse)
 
 
 # typed: 1 and 1.0 (and True) are distinct keys; a call that raises caches nothing

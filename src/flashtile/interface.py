@@ -144,7 +144,6 @@ def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, lear
     this output is for testing, and O(N²) in memory anyway."""
     nheads = q.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    seed = int(dropout_seed.item())
     probs = q.new_zeros((batch, nheads, options.max_seqlen_q, options.max_seqlen_k))
     with torch.no_grad():
         for b, rows_q, rows_k in reference.sequence_slices(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
@@ -157,7 +156,7 @@ def _varlen_dropout_probs(q, k, v, options: AttentionOptions, alibi_slopes, lear
                                                   softcap=options.softcap, alibi_slopes=slopes,
                                                   learnable_sink=learnable_sink)
             seq_head = (b * nheads + torch.arange(nheads, device=q.device)).view(1, nheads, 1, 1)
-            keep = reference.dropout.keep_mask_block(seed, seq_head, torch.arange(seqlen_q, device=q.device),
+            keep = reference.dropout.keep_mask_block(dropout_seed, seq_head, torch.arange(seqlen_q, device=q.device),
                                                      torch.arange(seqlen_k, device=q.device), options.dropout_p)
             probs[b, :, :seqlen_q, :seqlen_k] = torch.where(keep, p, -p)[0].to(q.dtype)
     return probs

@@ -63,8 +63,9 @@ from ..triton import plans
 from .sm90_fwd import descriptor
 
 # Keys per CTA, split between the two consumer warpgroups, and query rows per step: 64-row steps keep
-# dK, dV, Sᵀ and dPᵀ near the 240 registers a thread that setmaxnreg gives (128-row steps at head dim
-# 64, FA3's tile, spilled several times more under Triton's register allocation).
+# dK, dV, Sᵀ and dPᵀ near the registers a thread that setmaxnreg gives (240 at head dim 64; 248 and 232
+# at 128), where 128-row steps at head dim 64, FA3's tile, spilled several times more under Triton's
+# register allocation.
 BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = 128, 64, 64, 2
 # How dQᵢ reaches the accumulator, by head dim (H100, one run, backward only, N = 2048–16384;
 # benchmarks/results/h100_2026-12-05.md): the copy engine's reduce-add was 1.01–1.10× the atomics at
@@ -255,7 +256,10 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
         dk = warpgroup_mma_wait(0, deps=(dk_token, ))
         # Qᵢ and dOᵢ are read (dQᵢ needs neither): released before the turn, so that the producer refills the
         # stage one dQ matmul sooner and the turn's wait on dq_empty needs no warpgroup barrier before it
-        # (Triton puts one before each single-thread arrive and most waits)
+        # (Triton puts one before each single-thread arrive and most waits). The stages no longer keep the
+        # other warpgroup from rewriting this dS buffer (at step t + 2) while the turn's dQ matmul reads it:
+        # ds_ready does, as it reaches step t + 2 only after waiting at step t + 1 for the rows that the
+        # turn-taker stores after its dQ matmul completed
         mbarrier.arrive(empty.index(stage))
         if t % 2 == which:
             mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)

@@ -65,7 +65,7 @@ def patch_bf16_rounding() -> None:
             return original(self, src, dst_type)
         # the interpreter's float32 (float16 widened exactly) → PyTorch's round-to-nearest-even bfloat16 → its
         # uint16 storage
-        values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        values = torch.from_numpy(np.array(src.data, dtype=np.float32, copy=True))  # writable, as torch wants
         bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return interpreter.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
 
