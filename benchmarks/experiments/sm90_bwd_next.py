@@ -384,14 +384,10 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
     # the kernel's own 4 warps are consumer 0, which setmaxnreg gives what the other partitions leave; the
     # producer and the writers share a warpgroup, which setmaxnreg sets as a whole. At head dim 128 sm90_bwd's
     # split (consumer 0 at 248, consumer 1 at 232)
-    if DQ_SPLIT and HEAD_DIM == 128:
+    if DQ_SPLIT:
         writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
-                            (_dq_writer, writer)], [4, 1, 1], [232, 24, 24])
-    elif DQ_SPLIT:
-        writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
-        gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
-                            (_dq_writer, writer)], [4, 1, 1], [240, 32, 32])
+                            (_dq_writer, writer)], [4, 1, 1], [232, 24, 24] if HEAD_DIM == 128 else [240, 32, 32])
     else:
         writer = (dq_smem, dq_full.index(0), dq_empty.index(0), DQAccum, stride_ab, stride_as, stride_ah, i_b, i_hk, first_m,
                   m_blocks, n_steps, group_size, tiling)
