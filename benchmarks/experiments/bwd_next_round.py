@@ -102,7 +102,8 @@ def run_backward(name, dout, q, k, v, out, lse, scale, causal):
 
 def providers(head_dim):
     import sm90_bwd_next
-    return ["current"] + [name for name, dims in sm90_bwd_next.VARIANTS.items() if head_dim in dims]
+    chosen = os.environ.get("VARIANTS", "").split(",") if os.environ.get("VARIANTS") else sm90_bwd_next.VARIANTS
+    return ["current"] + [name for name, dims in sm90_bwd_next.VARIANTS.items() if head_dim in dims and name in chosen]
 
 
 def correctness(results, head_dims):

@@ -41,13 +41,17 @@ What changed against ``sm90_bwd.py``, and why it should be faster:
    full/empty mbarriers) and the writer warp issues one ``cp.reduce.async.bulk.tensor`` per half as it
    arrives (box [1, 1, 64, D/2], unswizzled), so a warpgroup waits only for its own half's last reduce.
 
-Variants (``VARIANTS``: name → {head dim: (DQ_SPLIT, PREFETCH_DP)}):
+Variants (``VARIANTS``: name → {head dim: (DQ_SPLIT, PREFETCH_DP, PREFETCH_S)}):
 
 * ``pipe`` (64, 128): the schedule above.
 * ``pipe_dp`` (64 only): dPᵀ_{t+1} issued with Sᵀ_{t+1} too, so that a step starts with both scores
   finished (32 more registers; at head dim 128 it serialized every wgmma and spilled 512 bytes).
 * ``pipe_turns`` (64 only): sm90_bwd's turns (whole dQ tile on alternate steps, two atomic writer
   warps, its head-dim-64 choice) with Sᵀ_{t+1} and dPᵀ_{t+1} prefetched as above: isolates (1).
+* ``split`` (64, 128; nineteenth session): (2) and (3) without (1): Sᵀ_t issued at step t's start as in
+  sm90_bwd, dQ split by columns every step, so that the next block's Sᵀ is not live beside dK, dV and dQ.
+  ptxas: no spills at 64; at 128 4 / 4 B (full) and 28 / 44 B (causal), the shipped kernel's 4 / 4 and
+  24 / 40, where ``pipe`` spills 72 / 72 and 92 / 100. Isolates the split dQ with sm90_bwd's registers.
 
 ptxas (Triton 3.6's wheel, sm_90a, compiled on a CPU by ``python benchmarks/experiments/sm90_bwd_next.py``
 with tests/test_gluon_compile.py's stand-in driver). "168 registers" is every variant's launch figure
@@ -105,13 +109,14 @@ from flashtile.gluon.sm90_bwd import (_async_reduce_add, _bwd_preprocess_kernel,
 from flashtile.gluon.sm90_fwd import descriptor
 
 BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = sm90_bwd.BLOCK_N, sm90_bwd.KEYS, sm90_bwd.BLOCK_M, sm90_bwd.NUM_STAGES
-# name → {head dim: (DQ_SPLIT, PREFETCH_DP)} at the head dims where the variant is worth running (the shipped
+# name → {head dim: (DQ_SPLIT, PREFETCH_DP, PREFETCH_S)} at the head dims where the variant is worth running (the shipped
 # kernel is "current"). DQ_SPLIT: each warpgroup computes half of dQ's columns every step (else the whole
 # tile on alternate steps, as sm90_bwd, with its two atomic writer warps); PREFETCH_DP: dPᵀ_{t+1} issued
-# with Sᵀ_{t+1}. At head dim 128 PREFETCH_DP, and whole dQ tiles beside the next Sᵀ, serialized every wgmma
+# with Sᵀ_{t+1}; PREFETCH_S: Sᵀ_{t+1} issued under step t's dK and dQ (else at step t + 1's start, as sm90_bwd).
+# At head dim 128 PREFETCH_DP, and whole dQ tiles beside the next Sᵀ, serialized every wgmma
 # for want of registers (ptxas), so only "pipe" runs there.
-VARIANTS = {"pipe": {64: (True, False), 128: (True, False)}, "pipe_dp": {64: (True, True)},
-            "pipe_turns": {64: (False, True)}}
+VARIANTS = {"pipe": {64: (True, False, True), 128: (True, False, True)}, "pipe_dp": {64: (True, True, True)},
+            "pipe_turns": {64: (False, True, True)}, "split": {64: (True, False, False), 128: (True, False, False)}}
 
 
 @aggregate
@@ -126,9 +131,10 @@ class _Tiling:
     NUM_STAGES: gl.constexpr
     PREFETCH_DP: gl.constexpr
     DQ_SPLIT: gl.constexpr
+    PREFETCH_S: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, PREFETCH_DP, DQ_SPLIT):
+    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, PREFETCH_DP, DQ_SPLIT, PREFETCH_S):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -137,6 +143,7 @@ class _Tiling:
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.PREFETCH_DP = gl.constexpr(PREFETCH_DP)
         self.DQ_SPLIT = gl.constexpr(DQ_SPLIT)
+        self.PREFETCH_S = gl.constexpr(PREFETCH_S)
 
 
 @gluon.jit
@@ -174,6 +181,8 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     HALF: gl.constexpr = HEAD_DIM // 2 if DQ_SPLIT else HEAD_DIM  # dQ columns per warpgroup and step
     NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
     PREFETCH_DP: gl.constexpr = tiling.PREFETCH_DP
+    PREFETCH_S: gl.constexpr = tiling.PREFETCH_S
+    IN_FLIGHT: gl.constexpr = (1 if PREFETCH_S else 0) + (1 if PREFETCH_DP else 0)  # next scores beside dK
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])  # Sᵀ, dPᵀ
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -203,18 +212,19 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     mbarrier.wait(kv_ready, 0)
 
     if n_steps > 0:
-        # -- prologue: step 0's Sᵀ (and dPᵀ), waited for here: the loop carries finished scores, never an
-        # async token (ptxas serialized every wgmma when one crossed the loop's edge in flight)
-        mbarrier.wait(q_ready.index(0), 0)
-        s_token = warpgroup_mma(k_mine, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_unused,
-                                use_acc=False, is_async=True)
-        if PREFETCH_DP:
-            mbarrier.wait(do_ready.index(0), 0)
-            dp_token = warpgroup_mma(v_mine, do_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
-                                     st_unused, use_acc=False, is_async=True)
-            s, dp = warpgroup_mma_wait(0, deps=(s_token, dp_token))
-        else:
-            s = warpgroup_mma_wait(0, deps=(s_token, ))
+        if PREFETCH_S:
+            # -- prologue: step 0's Sᵀ (and dPᵀ), waited for here: the loop carries finished scores, never an
+            # async token (ptxas serialized every wgmma when one crossed the loop's edge in flight)
+            mbarrier.wait(q_ready.index(0), 0)
+            s_token = warpgroup_mma(k_mine, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_unused,
+                                    use_acc=False, is_async=True)
+            if PREFETCH_DP:
+                mbarrier.wait(do_ready.index(0), 0)
+                dp_token = warpgroup_mma(v_mine, do_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
+                                         st_unused, use_acc=False, is_async=True)
+                s, dp = warpgroup_mma_wait(0, deps=(s_token, dp_token))
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_token, ))
         for t in range(n_steps):
             stage = t % NUM_STAGES
             phase = (t // NUM_STAGES) & 1
@@ -224,14 +234,21 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
             do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
 
             # -- dPᵀ = V dOᵀ issued (unless step t−1 did), Pᵀ from Sᵀ [KEYS, BLOCK_M], which step t−1 (or
-            # the prologue) computed, while it runs
+            # the prologue) computed, while it runs; without PREFETCH_S, Sᵀ first, as sm90_bwd
+            if not PREFETCH_S:
+                mbarrier.wait(q_ready.index(stage), phase)
+                s_token = warpgroup_mma(k_mine, q_tile.permute((1, 0)), st_unused, use_acc=False, is_async=True)
             if not PREFETCH_DP:
                 mbarrier.wait(do_ready.index(stage), phase)
                 dp_token = warpgroup_mma(v_mine, do_tile.permute((1, 0)), st_unused, use_acc=False, is_async=True)
             # LSE·log2 e and D come through shared memory, read where used (sm90_bwd: held in registers
             # they made the kernel spill)
             lse2 = lse_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, st_layout))  # [BLOCK_M]
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+            if PREFETCH_S:
+                scores = s
+            else:
+                scores = warpgroup_mma_wait(1, deps=(s_token, ))
+            p = gl.exp2(scores * qk_scale - gl.expand_dims(lse2, 0))
             # only blocks that cross the end of the keys or the causal diagonal pay for masking
             needs_mask = start_n + BLOCK_N > seqlen_k
             if CAUSAL:
@@ -264,9 +281,10 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
             nxt = gl.minimum(t + 1, n_steps - 1)
             nxt_stage = nxt % NUM_STAGES
             nxt_phase = (nxt // NUM_STAGES) & 1
-            mbarrier.wait(q_ready.index(nxt_stage), nxt_phase)
-            s_token = warpgroup_mma(k_mine, q_smem.index(nxt_stage).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
-                                    st_unused, use_acc=False, is_async=True)
+            if PREFETCH_S:
+                mbarrier.wait(q_ready.index(nxt_stage), nxt_phase)
+                s_token = warpgroup_mma(k_mine, q_smem.index(nxt_stage).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
+                                        st_unused, use_acc=False, is_async=True)
             if PREFETCH_DP:
                 mbarrier.wait(do_ready.index(nxt_stage), nxt_phase)
                 dp_token = warpgroup_mma(v_mine,
@@ -275,7 +293,7 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 
             # -- dK_t complete, the next scores may still run: dSᵀ's registers (dK's A operand) are free
             # before dQ's accumulator is needed
-            dk = warpgroup_mma_wait(2 if PREFETCH_DP else 1, deps=(dk_token, ))
+            dk = warpgroup_mma_wait(IN_FLIGHT, deps=(dk_token, ))
             mbarrier.arrive(empty.index(stage))  # Q_t and dO_t are read
 
             if DQ_SPLIT:
@@ -284,8 +302,10 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
                 dq_token = warpgroup_mma(ds_buffer.permute((1, 0)), k_cols, dq_unused, use_acc=False, is_async=True)
                 if PREFETCH_DP:
                     s, dp, dq = warpgroup_mma_wait(0, deps=(s_token, dp_token, dq_token))
-                else:
+                elif PREFETCH_S:
                     s, dq = warpgroup_mma_wait(0, deps=(s_token, dq_token))  # dq: [BLOCK_M, HALF]
+                else:
+                    dq = warpgroup_mma_wait(0, deps=(dq_token, ))
                 # -- hand the half to the writer warp, once it has taken the previous step's
                 mbarrier.wait(dq_empty.index(which), (t & 1) ^ 1)
                 dq_tile.store(dq)
@@ -307,7 +327,7 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
             else:
                 if PREFETCH_DP:
                     s, dp = warpgroup_mma_wait(0, deps=(s_token, dp_token))
-                else:
+                elif PREFETCH_S:
                     s = warpgroup_mma_wait(0, deps=(s_token, ))
         # the last step's extra Sᵀ (dPᵀ), of its own block again, is dropped: nothing is in flight
 
@@ -327,7 +347,7 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
                                stride_as, stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
                                CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr,
                                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PREFETCH_DP: gl.constexpr,
-                               DQ_SPLIT: gl.constexpr):
+                               DQ_SPLIT: gl.constexpr, PREFETCH_S: gl.constexpr):
     i_n = gl.program_id(0)  # under causal masking the first key blocks have the most queries: first
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
@@ -373,7 +393,7 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
         mbarrier.init(dq_full.index(i), count=1)  # per warpgroup's half (DQ_SPLIT), else [0] only
         mbarrier.init(dq_empty.index(i), count=1 if DQ_SPLIT else 2)  # else both writer warps have read
 
-    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, PREFETCH_DP, DQ_SPLIT)
+    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, PREFETCH_DP, DQ_SPLIT, PREFETCH_S)
     consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
                 empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                 stride_dvh, i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, seqlen_q, seqlen_k, diagonal,
@@ -415,7 +435,8 @@ def _kernel_arguments(q, k, v, dout, lse2, delta, dq_accum, dk, dv, softmax_scal
         group_size=q.shape[2] // k.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KEYS=KEYS, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,
-        DQ_SPLIT=VARIANTS[variant][head_dim][0], PREFETCH_DP=VARIANTS[variant][head_dim][1], num_warps=4,
+        DQ_SPLIT=VARIANTS[variant][head_dim][0], PREFETCH_DP=VARIANTS[variant][head_dim][1],
+        PREFETCH_S=VARIANTS[variant][head_dim][2], num_warps=4,
     )
 
 
