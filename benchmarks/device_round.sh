@@ -29,10 +29,12 @@
 #                                             sweep and steps (benchmarks/bwd_round.sh timings), the short rows
 #                                             (experiments/persistent_grids.py, seqlen 512-2048), the host time per
 #                                             layer, and features_round's fp8-decode, paged-prefill and mixed-batch
+#   bash benchmarks/device_round.sh profile   Nsight Compute's profile of every row of issue 19's sweep (forward and
+#                                             backward, flashtile and cuDNN; benchmarks/profile_rows.py), and its table
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
 if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
-   && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables" >&2
+   && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ] && [ "$1" != profile ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables|profile" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -67,6 +69,15 @@ if [ "$1" = tables ]; then
     --cases fp8-decode paged-prefill mixed-batch > $OUT/features.log 2>&1
   grep -E "copy|paged|mixed" $OUT/features.log | tail -14
   echo "elapsed $(( $(date +%s) - T0 )) s"
+  exit
+fi
+if [ "$1" = profile ]; then
+  CASES=${CASES:-d64-2048,d64c-2048,d128-2048,d128c-2048,d64-8192,d64c-8192,d128-8192,d128c-8192,d64-16384,d64c-16384,d128-16384,d128c-16384}
+  timeout ${PROFILE_LIMIT:-480} ncu --clock-control none --profile-from-start off --set detailed -o $OUT/rows \
+    python3 benchmarks/profile_rows.py --cases $CASES > $OUT/ncu.log 2>&1
+  echo "ncu exit $?"; grep -E "^profiled|ERROR" $OUT/ncu.log | tail -14
+  ncu -i $OUT/rows.ncu-rep --csv --page raw > $OUT/rows_raw.csv
+  python3 benchmarks/profile_rows.py --summarise $OUT/rows_raw.csv --cases $CASES | tee $OUT/rows.md
   exit
 fi
 if [ "$1" = serving ]; then
