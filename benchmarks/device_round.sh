@@ -31,10 +31,13 @@
 #                                             layer, and features_round's fp8-decode, paged-prefill and mixed-batch
 #   bash benchmarks/device_round.sh profile   Nsight Compute's profile of every row of issue 19's sweep (forward and
 #                                             backward, flashtile and cuDNN; benchmarks/profile_rows.py), and its table
+#   bash benchmarks/device_round.sh source    Nsight Compute's warp-stall samples per SASS instruction of the fused
+#                                             backward's main kernel (CASES, default d128-8192; profile_rows.py)
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
 if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
-   && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ] && [ "$1" != profile ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables|profile" >&2
+   && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ] && [ "$1" != profile ] \
+   && [ "$1" != source ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables|profile|source" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -78,6 +81,17 @@ if [ "$1" = profile ]; then
   echo "ncu exit $?"; grep -E "^profiled|ERROR" $OUT/ncu.log | tail -14
   ncu -i $OUT/rows.ncu-rep --csv --page raw > $OUT/rows_raw.csv
   python3 benchmarks/profile_rows.py --summarise $OUT/rows_raw.csv --cases $CASES | tee $OUT/rows.md
+  exit
+fi
+if [ "$1" = source ]; then
+  for case in ${CASES:-d128-8192}; do
+    timeout 200 ncu --clock-control none --profile-from-start off -k regex:_attn_bwd_sm90 --import-source no \
+      --section SourceCounters --section WarpStateStats -o $OUT/source_$case python3 benchmarks/profile_rows.py \
+      --cases $case > $OUT/source_$case.log 2>&1
+    echo "ncu $case exit $?"
+    ncu -i $OUT/source_$case.ncu-rep --page source --csv --print-source sass > $OUT/source_$case.csv
+    rm -f $OUT/source_$case.ncu-rep; wc -l $OUT/source_$case.csv; head -c 600 $OUT/source_$case.csv; echo
+  done
   exit
 fi
 if [ "$1" = serving ]; then
