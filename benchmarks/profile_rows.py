@@ -39,6 +39,7 @@ SUMMARY_METRICS = (
     ("registers", "launch__registers_per_thread"),
     ("spill instr. (M)", "sass__inst_executed_register_spilling"),
     ("instr. (M)", "smsp__inst_executed.sum"),
+    ("shared wavefronts beyond ideal (M)", "derived__memory_l1_wavefronts_shared_excessive"),  # bank conflicts
 )
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
 

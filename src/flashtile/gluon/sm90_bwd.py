@@ -19,10 +19,12 @@ block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-speciali
 
 * **writer warps** add each dQᵢ from shared memory to a float32 accumulator in global memory, off
   the consumers' critical path, in one of two ways chosen per head dim by measurement
-  (``DQ_BY_TMA``): at head dim 128 one warp hands the whole tile to the copy engine's bulk
-  reduce-add (``cp.reduce.async.bulk.tensor``, FA3's way), with no load or atomic instruction per
-  element; at 64 two warps add half the rows each with 4-float vector atomics, which measured faster
-  there. The launcher converts the accumulator to dQ's dtype.
+  (``DQ_BY_TMA``): at head dim 128 one warp hands the tile to the copy engine's bulk reduce-add
+  (``cp.reduce.async.bulk.tensor``, FA3's way), four 128-byte column slabs a step, with no load or
+  atomic instruction per element; at 64 two warps add half the rows each with 4-float vector atomics,
+  which measured faster there. Either way the staged tile is swizzled so that the consumers' stores
+  from the wgmma accumulator layout meet no bank conflict. The launcher converts the accumulator to
+  dQ's dtype.
 
 The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
 writes D = rowsum(dO ∘ O) with the tensor cores (see its docstring), LSE·log2 e and the zeroed dQ
@@ -71,6 +73,7 @@ BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = 128, 64, 64, 2
 # benchmarks/results/h100_2026-12-05.md): the copy engine's reduce-add was 1.01–1.10× the atomics at
 # 128 and 0.95–0.99× at 64 (one cell 1.04), with the p20–p80 spreads apart in 10 of 12 cells.
 DQ_BY_TMA = {64: False, 128: True}
+DQ_BOX_COLS = gl.constexpr(32)  # float32 columns of one bulk reduce's box: 128 bytes, the span of a 128-byte swizzle
 
 
 @aggregate
@@ -136,11 +139,14 @@ def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_bl
     """One warp: each step's dQᵢ, once a consumer has stored it to shared memory, added to the float32
     accumulator by the copy engine; the buffer is handed back when the engine has read it."""
     BLOCK_M: gl.constexpr = tiling.BLOCK_M
+    HEAD_DIM: gl.constexpr = tiling.HEAD_DIM
     for t in range(n_steps):
         i_hq = i_hk * group_size + t // m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M
         mbarrier.wait(dq_full, t & 1)
-        _async_reduce_add(dq_desc, [i_b, start_m, i_hq, 0], dq_smem)
+        for c in gl.static_range(HEAD_DIM // DQ_BOX_COLS):  # the tile's 128-byte column slabs, one box each
+            _async_reduce_add(dq_desc, [i_b, start_m, i_hq, c * DQ_BOX_COLS],
+                              dq_smem.slice(c * DQ_BOX_COLS, DQ_BOX_COLS, dim=3))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty)
 
@@ -313,10 +319,13 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    if DQ_BY_TMA:  # each step's dQᵢ on its way to the writer warp, in the accumulator descriptor's box and layout
+    # each step's dQᵢ on its way to the writer(s), stored from the wgmma accumulator's layout, whose store
+    # instruction puts 8 rows × 32 bytes in a warp: unswizzled rows of 256 or 512 bytes start on the same bank,
+    # an 8-way conflict that made a quarter of the kernel's shared-memory wavefronts (Nsight Compute, NOTES.md)
+    if DQ_BY_TMA:  # the accumulator descriptor's layout: 128-byte swizzled column slabs, each one bulk reduce's box
         dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
-    else:  # the swizzle spreads the wgmma layout's stores over the banks
-        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
+    else:  # rows' 32-byte pieces permuted by row: the 8 rows of a store fall on distinct banks
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -422,10 +431,10 @@ def _stats_descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
-    is one block's rows of one head. Unswizzled: a swizzled box may span at most 128 bytes of a row,
-    and a row of dQ is 256 or 512."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, t.shape[-1]], layout)
+    is one block's rows of one head and 128 bytes of its columns, 128-byte swizzled: the layout of one
+    column slab of the kernel's staged dQ tile (a swizzled box may span at most 128 bytes of a row)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, DQ_BOX_COLS.value], layout)
 
 
 def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
