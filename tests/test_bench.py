@@ -18,6 +18,7 @@ import torch
 import flashtile.cli.bench
 from flashtile.cli import main
 from flashtile.cli.bench import Shape, forward_flops, gpu_state, provider_names
+from flashtile.cli.bench.spread import assess_noise
 from flashtile.cli.bench.providers import PROVIDERS
 from flashtile.cli.bench.report import number_text
 from flashtile.cli.bench.spread import spread_fields
@@ -238,3 +239,24 @@ def test_gpu_state_is_none_without_an_answer(fake_gpu, monkeypatch):
     assert gpu_state(0) is None
     monkeypatch.setenv("PATH", "/nonexistent")
     assert gpu_state(0) is None
+
+
+def _clocked(provider, seqlen_q, mhz, status="ok"):
+    return dict(case="bf16 hdim 128 non-causal", provider=provider, seqlen_q=seqlen_q, status=status,
+                gpu_state_after=None if mhz is None else dict(sm_clock_mhz=mhz, throttle_reasons="0x4"))
+
+
+def test_providers_at_different_gpu_clocks_warn():
+    # the nineteenth session's H100 sweep: the same forward kernel after 1680 and 1830 MHz (benchmarks/NOTES.md)
+    records = [_clocked("flashtile", 2048, 1680.0), _clocked("flashtile_det", 2048, 1830.0),
+               _clocked("sdpa_cudnn", 2048, 1785.0), _clocked("flashtile", 8192, 1575.0),
+               _clocked("sdpa_cudnn", 8192, 1620.0)]
+    noise = assess_noise(records, IDLE)
+    assert noise["clocks"] == [dict(case="bf16 hdim 128 non-causal", seqlen_q=2048, slowest="flashtile",
+                                    slowest_mhz=1680.0, fastest="flashtile_det", fastest_mhz=1830.0)]
+    assert ("the GPU's clock after one shape's providers differed by more than 5% in 1 of 2 shapes, worst flashtile "
+            "1680 MHz against flashtile_det 1830 MHz at N=2048") in noise["warning"]
+    # within 5%, skipped providers and records without a clock (the CPU, nvidia-smi missing) do not warn
+    quiet = [_clocked("flashtile", 8192, 1575.0), _clocked("sdpa_cudnn", 8192, 1620.0),
+             _clocked("fa2", 8192, 1980.0, status="skipped"), _clocked("flex", 8192, None)]
+    assert assess_noise(quiet, IDLE) == dict(threshold=0.2, load=IDLE, noisy=[], clocks=[], warning=None)

@@ -27,8 +27,10 @@ The tables show each rate as ``median ±x%``, x being half the p20–p80 range i
 a legend under each table explains every symbol it uses (``—`` where the backward came out ≤ 0
 within noise, ``!`` where the repeats disagree, ``skip``, the ratios, the accuracy column). One
 **noise warning** at the end of a run, also in bench.json's ``noise``, says when repeats disagree
-by more than 20% of their median (p80 − p20, ``NOISY_SPREAD``) or when the machine was busy before
-the run (1-minute load average above its number of CPUs).
+by more than 20% of their median (p80 − p20, ``NOISY_SPREAD``), when the machine was busy before
+the run (1-minute load average above its number of CPUs), or, on CUDA, when the providers of one
+shape left the GPU at SM clocks more than 5% apart (``CLOCK_DISPARITY``: a GPU at its power cap
+sets its clock by the power drawn, so their ratio carries that difference).
 
 Inputs are random normal, in each provider's own layout: (batch, seqlen, nheads, headdim)
 for flashtile and flash-attn, (batch, nheads, seqlen, headdim) for SDPA and FlexAttention.

@@ -16,6 +16,11 @@ SPREAD_QUANTILES = (0.2, 0.5, 0.8)
 # uncertain by about as much, far beyond --compare's 3%. A busy machine spreads much wider (a run
 # beside other jobs read up to ~100× off), and where it is busy throughout, the load says so.
 NOISY_SPREAD = 0.2
+# Relative difference of the SM clocks that two providers of one shape left the GPU at, beyond which their ratio
+# is suspect: a GPU at its power cap (an H100's 700 W) sets its clock by the power drawn, and one sweep read 1680
+# against 1830 MHz after the same forward kernel under two provider names, 508 against 609 TFLOP/s
+# (benchmarks/NOTES.md, nineteenth session).
+CLOCK_DISPARITY = 0.05
 NOISE_WARNING = "warning: these timings may be noise: "
 TIMED_MODES = ("fwd", "fwd_bwd")  # bwd is their difference, not timed itself
 
@@ -74,9 +79,27 @@ def within_noise(before: dict, after: dict, mode: str) -> bool | None:
     return low_a <= high_b and low_b <= high_a
 
 
+def clock_disparities(records: list[dict]) -> list[dict]:
+    """The shapes whose providers left the GPU at SM clocks more than ``CLOCK_DISPARITY`` apart (each
+    record's ``gpu_state_after``; CUDA only), with the slowest and the fastest provider's clock."""
+    shapes: dict = {}
+    for r in records:
+        clock = (r.get("gpu_state_after") or {}).get("sm_clock_mhz")
+        if r["status"] == "ok" and clock:
+            shapes.setdefault((r["case"], r["seqlen_q"]), []).append((clock, r["provider"]))
+    found = []
+    for (case, seqlen_q), clocks in shapes.items():
+        (low, slowest), (high, fastest) = min(clocks), max(clocks)
+        if high > low * (1 + CLOCK_DISPARITY):
+            found.append(dict(case=case, seqlen_q=seqlen_q, slowest=slowest, slowest_mhz=low, fastest=fastest,
+                              fastest_mhz=high))
+    return found
+
+
 def assess_noise(records: list[dict], load: dict | None) -> dict:
     """bench.json's ``noise``: the threshold, the machine's load before the run, the timings whose
-    repeats disagree, and the one warning for the run (None when there is nothing to warn of)."""
+    repeats disagree, the shapes whose providers ran at different GPU clocks, and the one warning for
+    the run (None when there is nothing to warn of)."""
     noisy = [dict(case=r["case"], provider=r["provider"], seqlen_q=r["seqlen_q"], mode=mode, spread=spread)
              for r in records if r["status"] == "ok" for mode in TIMED_MODES
              if (spread := relative_spread(r, mode)) is not None and spread > NOISY_SPREAD]
@@ -90,6 +113,15 @@ def assess_noise(records: list[dict], load: dict | None) -> dict:
     if load is not None and load["busy"]:
         reasons.append(f"the machine was busy before the run: 1-minute load average {load['load_1min']:.1f} "
                        f"on {load['cpus']} CPUs")
+    clocks = clock_disparities(records)
+    if clocks:
+        worst = max(clocks, key=lambda c: c["fastest_mhz"] / c["slowest_mhz"])
+        shapes = len({(r["case"], r["seqlen_q"]) for r in records if r["status"] == "ok"})
+        reasons.append(f"the GPU's clock after one shape's providers differed by more than {CLOCK_DISPARITY:.0%} in "
+                       f"{len(clocks)} of {shapes} shapes, worst {worst['slowest']} {worst['slowest_mhz']:.0f} MHz "
+                       f"against {worst['fastest']} {worst['fastest_mhz']:.0f} MHz at N={worst['seqlen_q']}, "
+                       f"{worst['case']} (a GPU at its power cap sets its clock by the power drawn: "
+                       f"gpu_state_after in bench.json); their ratios can be off by as much")
     warning = (NOISE_WARNING + "; ".join(reasons)
                + ". Rerun on an idle machine (or with a longer --rep).") if reasons else None
-    return dict(threshold=NOISY_SPREAD, load=load, noisy=noisy, warning=warning)
+    return dict(threshold=NOISY_SPREAD, load=load, noisy=noisy, clocks=clocks, warning=warning)
