@@ -66,6 +66,9 @@ measure of pressure:
     pipe_dp     64        0 / 0                 0 / 0              116272     no
     pipe_turns  64        0 / 0                 0 / 0              116288     no
 
+Since the nineteenth session ``current`` (sm90_bwd) stages dQ without 8-way bank conflicts and these variants
+still stage it the old way: compare them with that in mind.
+
 Ported in the eighteenth session to the accumulator in dQ's own layout and to sm90_bwd's register split
 (232/24/24 at head dim 128; 16 for the producer and writer fails to compile): ``pipe`` d128 spills 72 / 72 B
 (full) and 92 / 100 B (causal), 20 and 32 spill instructions in the SASS, all but 2 in consumer 1 (232
@@ -373,7 +376,7 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_SPLIT:  # each warpgroup's dQ column half on its way to the writer, in the accumulator descriptor's box
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 1, HALF], dq_desc.layout)
-    else:  # sm90_bwd's staging for its atomic writer warps: the swizzle spreads the wgmma layout's stores
+    else:  # sm90_bwd's staging for its atomic writer warps before its bank-conflict fix (nineteenth session)
         dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -418,7 +421,8 @@ def _attn_bwd_sm90_next_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_
 
 def _half_accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
-    is one block's rows of one head and half its columns (unswizzled, as sm90_bwd's whole-row box)."""
+    is one block's rows of one head and half its columns, unswizzled (sm90_bwd's box before the nineteenth
+    session: stores from the wgmma layout meet 8-way bank conflicts here, which sm90_bwd no longer has)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, t.shape[-1] // 2], layout)
 

@@ -22,9 +22,10 @@ block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-speciali
   (``DQ_BY_TMA``): at head dim 128 one warp hands the tile to the copy engine's bulk reduce-add
   (``cp.reduce.async.bulk.tensor``, FA3's way), four 128-byte column slabs a step, with no load or
   atomic instruction per element; at 64 two warps add half the rows each with 4-float vector atomics,
-  which measured faster there. Either way the staged tile is swizzled so that the consumers' stores
-  from the wgmma accumulator layout meet no bank conflict. The launcher converts the accumulator to
-  dQ's dtype.
+  which measured faster there. Either way the staged tile is swizzled against the bank conflicts of
+  the consumers' stores from the wgmma accumulator layout (8-way unswizzled; none left at 64, 2-way at
+  128, where the copy engine's 128-byte swizzle is the widest). The launcher converts the accumulator
+  to dQ's dtype.
 
 The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
 writes D = rowsum(dO ∘ O) with the tensor cores (see its docstring), LSE·log2 e and the zeroed dQ
@@ -73,7 +74,8 @@ BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = 128, 64, 64, 2
 # benchmarks/results/h100_2026-12-05.md): the copy engine's reduce-add was 1.01–1.10× the atomics at
 # 128 and 0.95–0.99× at 64 (one cell 1.04), with the p20–p80 spreads apart in 10 of 12 cells.
 DQ_BY_TMA = {64: False, 128: True}
-DQ_BOX_COLS = gl.constexpr(32)  # float32 columns of one bulk reduce's box: 128 bytes, the span of a 128-byte swizzle
+DQ_SWIZZLE_BYTES = 128  # the copy engine's widest swizzle, and so the widest box row it allows
+DQ_BOX_COLS = gl.constexpr(DQ_SWIZZLE_BYTES // 4)  # float32 columns of one bulk reduce's box
 
 
 @aggregate
@@ -359,9 +361,10 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     if DQ_BY_TMA:
         # head dim 128: the writer and the producer need no more than 24 registers a thread; consumer 1 at 232
         # leaves consumer 0 248. With 240/32/32 consumer 0 ran at 232 and held 30 of the kernel's 33 spill
-        # instructions (sm_90a SASS, static count; 46 M executed at N = 16384 on an H100, 22x cuDNN's); now
-        # 2 (full) and 16 (causal, from 61). 240/24/24 spilled more (8 / 32): ptxas schedules differently at
-        # each budget. tests/test_gluon_compile.py prints ptxas's report; benchmarks/NOTES.md has the timings
+        # instructions (sm_90a SASS, static count; 46 M executed at N = 16384 on an H100, 22x cuDNN's); then
+        # 2 (full) and 16 (causal, from 61), and 12 / 30 since the swizzled dQ tile's addresses (10.5 M executed
+        # at N = 8192, where the conflicts it removed cost more). 240/24/24 spilled more (8 / 32): ptxas schedules
+        # differently at each budget. tests/test_gluon_compile.py prints ptxas's report; NOTES.md has the timings
         writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_tma, writer)], [4, 1, 1], [232, 24, 24])
@@ -433,7 +436,7 @@ def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
     is one block's rows of one head and 128 bytes of its columns, 128-byte swizzled: the layout of one
     column slab of the kernel's staged dQ tile (a swizzled box may span at most 128 bytes of a row)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE_BYTES, element_bitwidth=32, rank=4)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, DQ_BOX_COLS.value], layout)
 
 

@@ -79,21 +79,23 @@ def within_noise(before: dict, after: dict, mode: str) -> bool | None:
     return low_a <= high_b and low_b <= high_a
 
 
-def clock_disparities(records: list[dict]) -> list[dict]:
+def clock_disparities(records: list[dict]) -> tuple[list[dict], int]:
     """The shapes whose providers left the GPU at SM clocks more than ``CLOCK_DISPARITY`` apart (each
-    record's ``gpu_state_after``; CUDA only), with the slowest and the fastest provider's clock."""
+    record's ``gpu_state_after``; CUDA only), each with its lowest and highest clock and the providers
+    that left them, and the number of shapes that had two clocked providers to compare."""
     shapes: dict = {}
     for r in records:
         clock = (r.get("gpu_state_after") or {}).get("sm_clock_mhz")
         if r["status"] == "ok" and clock:
             shapes.setdefault((r["case"], r["seqlen_q"]), []).append((clock, r["provider"]))
+    compared = [(shape, clocks) for shape, clocks in shapes.items() if len(clocks) > 1]
     found = []
-    for (case, seqlen_q), clocks in shapes.items():
-        (low, slowest), (high, fastest) = min(clocks), max(clocks)
+    for (case, seqlen_q), clocks in compared:
+        (low, lowest), (high, highest) = min(clocks), max(clocks)
         if high > low * (1 + CLOCK_DISPARITY):
-            found.append(dict(case=case, seqlen_q=seqlen_q, slowest=slowest, slowest_mhz=low, fastest=fastest,
-                              fastest_mhz=high))
-    return found
+            found.append(dict(case=case, seqlen_q=seqlen_q, lowest=lowest, lowest_mhz=low, highest=highest,
+                              highest_mhz=high))
+    return found, len(compared)
 
 
 def assess_noise(records: list[dict], load: dict | None) -> dict:
@@ -113,15 +115,15 @@ def assess_noise(records: list[dict], load: dict | None) -> dict:
     if load is not None and load["busy"]:
         reasons.append(f"the machine was busy before the run: 1-minute load average {load['load_1min']:.1f} "
                        f"on {load['cpus']} CPUs")
-    clocks = clock_disparities(records)
+    clocks, compared = clock_disparities(records)
     if clocks:
-        worst = max(clocks, key=lambda c: c["fastest_mhz"] / c["slowest_mhz"])
-        shapes = len({(r["case"], r["seqlen_q"]) for r in records if r["status"] == "ok"})
+        worst = max(clocks, key=lambda c: c["highest_mhz"] / c["lowest_mhz"])
         reasons.append(f"the GPU's clock after one shape's providers differed by more than {CLOCK_DISPARITY:.0%} in "
-                       f"{len(clocks)} of {shapes} shapes, worst {worst['slowest']} {worst['slowest_mhz']:.0f} MHz "
-                       f"against {worst['fastest']} {worst['fastest_mhz']:.0f} MHz at N={worst['seqlen_q']}, "
+                       f"{len(clocks)} of {compared} shapes, worst {worst['lowest']} {worst['lowest_mhz']:.0f} MHz "
+                       f"against {worst['highest']} {worst['highest_mhz']:.0f} MHz at N={worst['seqlen_q']}, "
                        f"{worst['case']} (a GPU at its power cap sets its clock by the power drawn: "
                        f"gpu_state_after in bench.json); their ratios can be off by as much")
-    warning = (NOISE_WARNING + "; ".join(reasons)
-               + ". Rerun on an idle machine (or with a longer --rep).") if reasons else None
+    advice = ("Rerun on an idle machine (or with a longer --rep)" if noisy or (load is not None and load["busy"])
+              else "Rerun, or time the providers in runs of their own")
+    warning = (NOISE_WARNING + "; ".join(reasons) + f". {advice}.") if reasons else None
     return dict(threshold=NOISY_SPREAD, load=load, noisy=noisy, clocks=clocks, warning=warning)
