@@ -90,7 +90,8 @@ if [ "$1" = source ]; then
       --cases $case > $OUT/source_$case.log 2>&1
     echo "ncu $case exit $?"
     ncu -i $OUT/source_$case.ncu-rep --page source --csv --print-source sass > $OUT/source_$case.csv
-    rm -f $OUT/source_$case.ncu-rep; wc -l $OUT/source_$case.csv; head -c 600 $OUT/source_$case.csv; echo
+    rm -f $OUT/source_$case.ncu-rep; head -c 400 $OUT/source_$case.csv; echo
+    python3 benchmarks/profile_rows.py --summarise-source $OUT/source_$case.csv
   done
   exit
 fi

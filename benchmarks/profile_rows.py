@@ -6,6 +6,7 @@ explanation of the bar rows still short.
         python3 benchmarks/profile_rows.py [--cases d128-16384,d64c-2048]
     ncu -i rows.ncu-rep --csv --page raw > rows_raw.csv
     python3 benchmarks/profile_rows.py --summarise rows_raw.csv [--cases ...]   # the table in NOTES.md
+    python3 benchmarks/profile_rows.py --summarise-source source.csv  # stall samples per SASS instruction
 
 A case is ``d<head dim>[c]-<seqlen>`` (``c``: causal) on the standard shapes: bf16,
 batch·seqlen = 16384, nheads·head dim = 2048. Everything before the range (allocation, compilation,
@@ -83,11 +84,54 @@ def summarise(raw_csv: str, cases: list[str]) -> None:
               + ", ".join(f"{reason} {count / total:.0%}" for reason, count in top) + " |")
 
 
+def summarise_source(source_csv: str, top: int = 20) -> None:
+    """Warp-stall samples per SASS instruction (``ncu -i REP --page source --csv --print-source sass``),
+    summed where they land: the costliest instructions, then by opcode and by ``setmaxnreg`` region (a
+    warp-specialised kernel's partitions each begin with a ``USETMAXREG``). Columns are found by name,
+    since Nsight Compute's versions differ: the total is the first "Warp Stall Sampling (All Samples)"
+    column, each other column with "stall" in its name is a reason."""
+    with open(source_csv) as f:
+        rows = list(csv.reader(f))
+    start = next(i for i, row in enumerate(rows) if "Source" in row and any("Sampling" in c for c in row))
+    header, body = rows[start], [row for row in rows[start + 1:] if len(row) == len(rows[start])]
+    column = {name: i for i, name in enumerate(header)}
+    total_name = next(c for c in header if c.startswith("Warp Stall Sampling (All"))
+    reasons = [c for c in header if "stall" in c.lower() and "Sampling" not in c]
+    region, records = 0, []
+    for row in body:
+        if not row[column[total_name]].replace(",", "").replace(".", "").isdigit():
+            continue  # a units row, or a kernel's name between two kernels' pages
+        text = row[column["Source"]].strip()
+        if "USETMAXREG" in text:
+            region += 1
+        opcode = text.split()[1] if text.startswith("@") and len(text.split()) > 1 else (text.split() or ["?"])[0]
+        stalls = {r: _number(row[column[r]]) for r in reasons}
+        records.append((_number(row[column[total_name]]), region, opcode.split(".")[0], text, stalls))
+    total = sum(r[0] for r in records) or 1
+    print(f"{len(records)} instructions, {total:.0f} samples ({total_name}); region = setmaxnreg partition")
+    print(f"| share | region | instruction | top reasons |\n| --- | --- | --- | --- |")
+    for samples, region, _, text, stalls in sorted(records, key=lambda r: -r[0])[:top]:
+        named = sorted(stalls.items(), key=lambda item: -item[1])[:2]
+        print(f"| {samples / total:.1%} | {region} | `{text[:70]}` | "
+              + ", ".join(f"{name} {count / (samples or 1):.0%}" for name, count in named if count) + " |")
+    for key, title in ((2, "opcode"), (1, "region")):
+        sums: dict = {}
+        for record in records:
+            sums[record[key]] = sums.get(record[key], 0) + record[0]
+        print(f"by {title}: " + ", ".join(f"{name} {value / total:.1%}"
+                                           for name, value in sorted(sums.items(), key=lambda item: -item[1])[:12]))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=DEFAULT_CASES)
     parser.add_argument("--summarise", metavar="RAW_CSV", help="print the table of an exported profile instead")
+    parser.add_argument("--summarise-source", metavar="SOURCE_CSV",
+                        help="print where an exported source page's warp-stall samples land instead")
     args = parser.parse_args(argv)
+    if args.summarise_source:
+        summarise_source(args.summarise_source)
+        return
     if args.summarise:
         summarise(args.summarise, args.cases.split(","))
         return
