@@ -99,8 +99,9 @@ def summarise_source(source_csv: str, top: int = 20) -> None:
     reasons = [c for c in header if "stall" in c.lower() and "Sampling" not in c]
     region, records = 0, []
     for row in body:
-        if not row[column[total_name]].replace(",", "").replace(".", "").isdigit():
-            continue  # a units row, or a kernel's name between two kernels' pages
+        value = row[column[total_name]].replace(",", "").replace(".", "")
+        if value and not value.isdigit():
+            continue  # a units row, or a kernel's name between two kernels' pages (no samples: empty)
         text = row[column["Source"]].strip()
         if "USETMAXREG" in text:
             region += 1
