@@ -192,6 +192,9 @@ def finite_number(name: str, value) -> float:
     return value
 
 
+KERNEL_SCALAR_MAX = torch.finfo(torch.float32).max / 2  # room for the factor log2 e = 1.44
+
+
 def finite_float32(name: str, value) -> float:
     """:func:`finite_number` that the kernels can hold: they take it in float32 times log2 e (1.44), where a
     larger one would become inf and the result NaN."""
@@ -200,9 +203,6 @@ def finite_float32(name: str, value) -> float:
         raise ValueError(f"{name} must be at most {KERNEL_SCALAR_MAX:.3g} in magnitude (the kernels take it in "
                          f"float32), got {value}")
     return value
-
-
-KERNEL_SCALAR_MAX = torch.finfo(torch.float32).max / 2  # room for the factor log2 e = 1.44
 
 
 def check_alibi(alibi_slopes, batch: int, nheads: int, device):

@@ -112,7 +112,8 @@ def assess_noise(records: list[dict], load: dict | None) -> dict:
         reasons.append(f"the repeats of {len(noisy)} of {timed} timings disagree by more than {NOISY_SPREAD:.0%} "
                        f"of their median (p80 − p20), worst {worst['spread']:.0%}: {worst['provider']} "
                        f"{worst['mode']} N={worst['seqlen_q']}, {worst['case']}")
-    if load is not None and load["busy"]:
+    busy = load is not None and load["busy"]
+    if busy:
         reasons.append(f"the machine was busy before the run: 1-minute load average {load['load_1min']:.1f} "
                        f"on {load['cpus']} CPUs")
     clocks, compared = clock_disparities(records)
@@ -123,7 +124,7 @@ def assess_noise(records: list[dict], load: dict | None) -> dict:
                        f"against {worst['highest']} {worst['highest_mhz']:.0f} MHz at N={worst['seqlen_q']}, "
                        f"{worst['case']} (a GPU at its power cap sets its clock by the power drawn: "
                        f"gpu_state_after in bench.json); their ratios can be off by as much")
-    advice = ("Rerun on an idle machine (or with a longer --rep)" if noisy or (load is not None and load["busy"])
+    advice = ("Rerun on an idle machine (or with a longer --rep)" if noisy or busy
               else "Rerun, or time the providers in runs of their own")
     warning = (NOISE_WARNING + "; ".join(reasons) + f". {advice}.") if reasons else None
     return dict(threshold=NOISY_SPREAD, load=load, noisy=noisy, clocks=clocks, warning=warning)
