@@ -6,6 +6,11 @@ launcher would compile it (a stand-in driver names the target), and ptxas's repo
 made the fused backward slow while it was written: wgmma instructions serialized for want of
 registers (every matmul then waits for the previous one), and shared memory beyond the 227 KiB a
 block may have. The spills are printed, not judged (a few at head dim 128 cost little).
+
+One Triton kernel is compiled the same way for what its speed hangs on: the forward's paged prefill, whose
+block-table loads Triton's software pipeliner made asynchronous copies in two of its versions, and whose
+loop then waited for every copy in flight each block (0.34× the contiguous forward on an H100,
+benchmarks/NOTES.md): its TTGIR must copy no page id asynchronously.
 """
 
 import json
@@ -23,6 +28,7 @@ from flashtile import gluon
 
 pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kernels are written for another Triton")
 
+PAGED_PREFILL_PAGES = (16, 64)
 SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
 CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
          for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
@@ -101,14 +107,41 @@ def _compile(case: str):
     )
 
 
+def _paged_prefill_ttgir(page_size: int) -> str:
+    """The TTGIR of the forward kernel's paged prefill over pages of ``page_size`` (8 sequences of 1024 queries
+    against 4096 cached keys, 32:8 heads, head dim 128, causal), compiled through its launcher."""
+    from flashtile._options import AttentionOptions
+    from flashtile.triton import launch, plans
+
+    compiled = []
+
+    def compile_instead(plan, kernel, grid, **arguments):  # plans.launch, compiling instead of recording
+        options = {name: arguments.pop(name) for name in ("num_warps", "num_stages") if name in arguments}
+        compiled.append(kernel.warmup(*[arguments[name] for name in kernel.arg_names], grid=grid, **options))
+
+    plans.launch = compile_instead  # this process compiles only
+    cache = torch.empty(8 * 4096 // page_size, page_size, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(8, 4096 // page_size, dtype=torch.int32)
+    launch.kvcache_attention_forward(torch.empty(8192, 32, 128, dtype=torch.bfloat16), cache, cache,
+                                     torch.full((8,), 4096, dtype=torch.int32), None, table,
+                                     AttentionOptions(0.1, window_right=0),
+                                     cu_seqlens_q=torch.arange(0, 9, dtype=torch.int32) * 1024, max_seqlen_q=1024)
+    assert compiled and compiled[0].name == "attn_fwd_kernel", "the paged prefill no longer runs the forward kernel"
+    return compiled[0].asm["ttgir"]
+
+
 def compile_all(workdir: str) -> dict:
-    """{case: (ptxas's report, shared bytes)}. Runs in a process of its own: under the interpreter,
-    which the test session uses on a CPU, Triton's own functions cannot be compiled."""
+    """{case: (ptxas's report, shared bytes)}, and under "paged" {page size: the paged prefill's asynchronous
+    copies of page ids}. Runs in a process of its own: under the interpreter, which the test session uses on
+    a CPU, Triton's own functions cannot be compiled."""
     triton.runtime.driver.set_active(_Sm90Target())
     results = {}
     for case in CASES:
         kernel = _compile(case)
         results[case] = (_ptxas_report(kernel, os.path.join(workdir, "kernel.ptx")), kernel.metadata.shared)
+    results["paged"] = {page_size: sum("async_copy_global_to_local" in line and "!tt.ptr<i32>" in line
+                                       for line in _paged_prefill_ttgir(page_size).splitlines())
+                        for page_size in PAGED_PREFILL_PAGES}
     return results
 
 
@@ -119,6 +152,12 @@ def reports(tmp_path_factory):
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("page_size", PAGED_PREFILL_PAGES)
+def test_paged_prefill_loads_page_ids_synchronously(reports, page_size):
+    # a block spanning 4 pages (16) and a block inside one (64): the two ways a whole block finds its rows
+    assert reports["paged"][str(page_size)] == 0, "page ids copied asynchronously: the pipeline waits on each block"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -138,8 +138,9 @@ def _load_block(src, i_b, i_h, start, rows, m_rows, o_d, m_d, stride_s, stride_d
 def _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size, num_pages,
                 PAGE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Where keys ``cols = start_n + [0, BLOCK_N)`` live in a paged cache: (page id, slot in the page,
-    visibility), each [BLOCK_N]; a key is visible where ``m_n`` holds and its page id is inside the
-    cache (the KV-cache kernel's rule), and its page id is 0 otherwise, so it is never dereferenced.
+    visibility), each [BLOCK_N], and whether every page the block reads is inside the cache (a scalar;
+    with ``PAGE_SPLIT`` = 0 always true); a key is visible where ``m_n`` holds and its page id is inside
+    the cache (the KV-cache kernel's rule), and its page id is 0 otherwise, so it is never dereferenced.
 
     ``PAGE_SPLIT`` > 1 (``configs.page_split``; 1 is :func:`_load_from_page`): the block spans that many
     whole pages of ``BLOCK_N // PAGE_SPLIT`` keys, whose ids are that many scalar loads and whose
@@ -149,6 +150,7 @@ def _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size, n
     and leave the K/V pipeline as deep as the contiguous one's. ``PAGE_SPLIT`` = 0 (pages smaller than
     a quarter of the block, or sizes that neither divide it nor are multiples of it): one vector load
     of the table and a runtime division per key."""
+    pages_in_cache = True
     if PAGE_SPLIT == 0:
         b_page = tl.load(table_row + (cols // page_size) * stride_tn, mask=m_n, other=0)
         slots = cols % page_size
@@ -160,17 +162,32 @@ def _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size, n
             # the table holds ceil(seqlen_k / PAGE) pages at least: a page that starts past the keys is not read
             page = tl.load(table_row + (first + j) * stride_tn, mask=start_n + j * PAGE < seqlen_k, other=0)
             b_page = tl.where((cols - start_n) // PAGE == j, page, b_page)
+            pages_in_cache = pages_in_cache & (page >= 0) & (page < num_pages)
         slots = (cols - start_n) % PAGE
     visible = m_n & (b_page >= 0) & (b_page < num_pages)
-    return tl.where(visible, b_page, 0), slots, visible
+    return tl.where(visible, b_page, 0), slots, visible, pages_in_cache
+
+
+@triton.jit
+def _table_in_cache(table_row, seqlen_k, stride_tn, page_size, num_pages):
+    """Whether every page id that a sequence's keys [0, ``seqlen_k``) use (its row of the block table) lies
+    inside the cache: the kernel's whole blocks then need not hide keys of pages outside it, key by key."""
+    CHUNK: tl.constexpr = 256  # table entries a load: one for most sequences (256 pages)
+    n_pages = tl.cdiv(seqlen_k, page_size)
+    outside = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, n_pages, CHUNK):
+        ids = start + tl.arange(0, CHUNK)
+        page = tl.load(table_row + ids * stride_tn, mask=ids < n_pages, other=0)
+        outside |= ((page < 0) | (page >= num_pages)).to(tl.int32)
+    return tl.max(outside, 0) == 0
 
 
 @triton.jit
 def _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, m_dv, stride_tn, page_size,
                     num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                     APPLY_MASK: tl.constexpr):
-    """K [BLOCK_N, BLOCK_D], V [BLOCK_N, BLOCK_DV] and the keys' visibility [BLOCK_N] for keys
-    ``start_n + o_n`` that lie in one page (``PAGE_SPLIT`` = 1): consecutive rows at one offset, so the
+    """K [BLOCK_N, BLOCK_D], V [BLOCK_N, BLOCK_DV], the keys' visibility [BLOCK_N] and whether the page is
+    inside the cache (a scalar) for keys ``start_n + o_n`` that lie in one page (``PAGE_SPLIT`` = 1): consecutive rows at one offset, so the
     loads are the contiguous kernel's (offsets fixed across blocks plus one base per block; the per-key
     row arithmetic of :func:`_paged_rows` cost the page-64 prefill about 1.6× the contiguous forward's
     instructions on an H100). A page id outside the cache reads page 0 under a mask (zeros) and hides
@@ -190,7 +207,7 @@ def _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, 
         b_k = tl.load(p_k, mask=valid & m_d[None, :], other=0.0)
         b_v = tl.load(p_v, mask=valid & m_dv[None, :], other=0.0)
         m_n = m_n & valid
-    return b_k, b_v, m_n
+    return b_k, b_v, m_n, valid
 
 
 @triton.jit
@@ -217,17 +234,19 @@ def _attn_fwd_inner(
     """Online softmax over K/V blocks [lo, hi). ``APPLY_MASK`` is off for the blocks that
     every row sees whole (in bounds, inside the window): they need no bounds or mask work.
     ``IS_PAGED``: K and V are paged caches read through the sequence's row of the block table
-    (``table_row``, :func:`_paged_rows`); a page id outside the cache hides its keys, so the whole
-    blocks keep one select per score for it."""
+    (``table_row``, :func:`_paged_rows`); a page id outside the cache hides its keys: the masked blocks
+    test for it key by key, and so do whole blocks of pages smaller than a quarter of a block
+    (``PAGE_SPLIT`` = 0); with larger pages the kernel leaves no whole blocks to a sequence whose table
+    holds such a page (:func:`_table_in_cache`), and theirs test nothing per key."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
         if IS_PAGED and PAGE_SPLIT == 1:
-            b_k, b_v, m_n = _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, m_dv,
+            b_k, b_v, m_n, pages_in_cache = _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, m_dv,
                                             stride_tn, page_size, num_pages, stride_kb, stride_ks, stride_kd,
                                             stride_vb, stride_vs, stride_vd, APPLY_MASK)
         elif IS_PAGED:
-            b_page, slots, m_n = _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size,
+            b_page, slots, m_n, pages_in_cache = _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size,
                                              num_pages, PAGE_SPLIT, BLOCK_N)  # [BLOCK_N] each
             b_k = _load_paged(k_src, b_page, slots, m_n, o_d, m_d, stride_kb, stride_ks, stride_kd)
             b_v = _load_paged(v_src, b_page, slots, m_n, o_dv, m_dv, stride_vb, stride_vs, stride_vd)
@@ -243,13 +262,22 @@ def _attn_fwd_inner(
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
         )
-        if IS_PAGED and not APPLY_MASK:  # a whole block can still hold keys of pages outside the cache
+        if IS_PAGED and PAGE_SPLIT == 0 and not APPLY_MASK:  # a whole block can hold keys of pages outside the cache
             s = tl.where(m_n[None, :], s, float("-inf"))
         # -- update m_i and l_i; a row with no visible key yet keeps m = -inf,
         #    so exponentiate against 0 instead to avoid (-inf) - (-inf)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        if IS_PAGED and PAGE_SPLIT > 0 and not APPLY_MASK:
+            # pages_in_cache always holds here (the kernel checked the table), and the select costs one per row:
+            # it is there for Triton's pipeliner, which turned the block's page-id loads into asynchronous copies
+            # when they fed only the K/V addresses, and the loop then waited for every copy in flight (0.34× the
+            # contiguous kernel, NOTES.md); a use reached first (through the sum's first operand) on the way from
+            # the P·V product keeps them synchronous loads, as the per-key select that this replaced did
+            p_shift = tl.where(pages_in_cache, m_safe, float("inf"))
+            p = tl.math.exp2(-p_shift[:, None] + s)  # [BLOCK_M, BLOCK_N]
+        else:
+            p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
         if HAS_DROPOUT:
@@ -340,6 +368,8 @@ def attn_fwd_kernel(
     row_start = i_m * BLOCK_M
     lo, full_lo, full_hi, hi = key_runs(row_start, tl.minimum(row_start + BLOCK_M, seqlen_q), diagonal, seqlen_k,
                                         window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
+    if IS_PAGED and PAGE_SPLIT > 0:  # a page outside the cache: no whole blocks, the far edge's masked run has them
+        full_hi = tl.where(_table_in_cache(table_row, seqlen_k, stride_tn, page_size, num_pages), full_hi, full_lo)
 
     m_i, l_i = initial_softmax_state(Sinks, i_hq, HAS_SINK, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
