@@ -176,6 +176,18 @@ def test_unused_block_table_entries_are_not_checked():
     flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=_cu([3, 5]), block_table=table)
 
 
+def test_pages_without_a_slot_are_refused():
+    # the kernels find a key's page by dividing by the page size: a (num_pages, 0, ...) cache must not reach them
+    q, k, v, _, _ = _cache(paged=True)
+    no_slots = torch.empty(4, 0, 1, 16, dtype=q.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match=r"pages of at least one slot, got k_cache \(4, 0, 1, 16\)"):
+        flashtile.flash_attn_with_kvcache(q, no_slots, no_slots, block_table=_cu([[0], [1]]), cache_seqlens=_cu([0, 0]))
+    cu = _cu([0, 1, 2])
+    with pytest.raises(ValueError, match="pages of at least one slot"):
+        flashtile.flash_attn_varlen_func(q[:, 0], no_slots, no_slots, cu, None, 1, 0, block_table=_cu([[0], [1]]),
+                                         seqused_k=_cu([0, 0]))
+
+
 # (cache_seqlens, cache_batch_idx, block_table): index values the kernels meet unchecked
 CACHE_CASES = {
     "seqlens-negative": ([-2, 3], None, None),

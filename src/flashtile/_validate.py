@@ -509,6 +509,8 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_i
             raise ValueError(f"block_table must be a 2-D (batch, max_blocks) int32 tensor, got "
                              f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
         _check_int32("block_table", block_table, (batch, block_table.shape[1]))
+        if k_cache.shape[1] == 0:  # the kernels find a key's page by dividing by the page size
+            raise ValueError(f"a paged cache needs pages of at least one slot, got k_cache {tuple(k_cache.shape)}")
         capacity = cache_capacity(k_cache, block_table)
     else:
         if cache_batch_idx is not None:

@@ -23,8 +23,9 @@ block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-speciali
   (``cp.reduce.async.bulk.tensor``, FA3's way), four 128-byte column slabs a step, with no load or
   atomic instruction per element; at 64 two warps add half the rows each with 4-float vector atomics,
   which measured faster there. Either way the staged tile is swizzled against the bank conflicts of
-  the consumers' stores from the wgmma accumulator layout (8-way unswizzled; none left at 64, 2-way at
-  128, where the copy engine's 128-byte swizzle is the widest). The launcher converts the accumulator
+  the consumers' stores from the wgmma accumulator layout (8-way unswizzled; none left): at 64 by a
+  32-byte swizzle, at 128 by the copy engine's 128-byte swizzle (its widest) with the rows staged in a
+  permuted order, which a 5-D view of the accumulator undoes. The launcher converts the accumulator
   to dQ's dtype.
 
 The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
@@ -137,9 +138,11 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling):
+def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, padded_q,
+                   tiling):
     """One warp: each step's dQᵢ, once a consumer has stored it to shared memory, added to the float32
-    accumulator by the copy engine; the buffer is handed back when the engine has read it."""
+    accumulator by the copy engine; the buffer is handed back when the engine has read it. ``padded_q``: the
+    accumulator's rows per sequence, which place a block in its 5-D view (:func:`_accumulator_descriptor`)."""
     BLOCK_M: gl.constexpr = tiling.BLOCK_M
     HEAD_DIM: gl.constexpr = tiling.HEAD_DIM
     for t in range(n_steps):
@@ -147,8 +150,8 @@ def _dq_writer_tma(dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_bl
         start_m = (first_m + t % m_blocks) * BLOCK_M
         mbarrier.wait(dq_full, t & 1)
         for c in gl.static_range(HEAD_DIM // DQ_BOX_COLS):  # the tile's 128-byte column slabs, one box each
-            _async_reduce_add(dq_desc, [i_b, start_m, i_hq, c * DQ_BOX_COLS],
-                              dq_smem.slice(c * DQ_BOX_COLS, DQ_BOX_COLS, dim=3))
+            _async_reduce_add(dq_desc, [(i_b * padded_q + start_m) // 8, 0, 0, i_hq, c * DQ_BOX_COLS],
+                              dq_smem.slice(c * DQ_BOX_COLS, DQ_BOX_COLS, dim=4))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty)
 
@@ -276,7 +279,9 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
             # -- hand dQᵢ to the writer warps, once they have taken the previous step's
             mbarrier.wait(dq_empty, (t & 1) ^ 1)
             if tiling.DQ_BY_TMA:
-                dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+                # global row 8q + 4h + l staged at tile row 8q + 2l + h: a half-warp's 4 rows in 4 swizzle phases
+                dq_smem.reshape([BLOCK_M // 8, 4, 2, HEAD_DIM]).store(
+                    gl.permute(dq.reshape([BLOCK_M // 8, 2, 4, HEAD_DIM]), (0, 2, 1, 3)))
                 fence_async_shared()  # the stores, made visible to the copy engine
             else:
                 dq_smem.store(dq)
@@ -325,7 +330,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     # instruction puts 8 rows × 32 bytes in a warp: unswizzled rows of 256 or 512 bytes start on the same bank,
     # an 8-way conflict that made a quarter of the kernel's shared-memory wavefronts (Nsight Compute, NOTES.md)
     if DQ_BY_TMA:  # the accumulator descriptor's layout: 128-byte swizzled column slabs, each one bulk reduce's box
-        dq_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M // 8, 4, 2, 1, HEAD_DIM], dq_desc.layout)
     else:  # rows' 32-byte pieces permuted by row: the 8 rows of a store fall on distinct banks
         dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
@@ -362,10 +367,12 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
         # head dim 128: the writer and the producer need no more than 24 registers a thread; consumer 1 at 232
         # leaves consumer 0 248. With 240/32/32 consumer 0 ran at 232 and held 30 of the kernel's 33 spill
         # instructions (sm_90a SASS, static count; 46 M executed at N = 16384 on an H100, 22x cuDNN's); then
-        # 2 (full) and 16 (causal, from 61), and 12 / 30 since the swizzled dQ tile's addresses (10.5 M executed
-        # at N = 8192, where the conflicts it removed cost more). 240/24/24 spilled more (8 / 32): ptxas schedules
+        # 2 (full) and 16 (causal, from 61), 12 / 30 with the swizzled dQ tile's addresses, and 21 / 18 with its
+        # permuted rows (16.3 M executed at N = 8192, where the conflicts they removed cost more). 240/24/24
+        # spilled more (8 / 32): ptxas schedules
         # differently at each budget. tests/test_gluon_compile.py prints ptxas's report; NOTES.md has the timings
-        writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size, tiling)
+        writer = (dq_desc, dq_smem, dq_full, dq_empty, i_b, i_hk, first_m, m_blocks, n_steps, group_size,
+                  stride_ab // stride_as, tiling)
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_tma, writer)], [4, 1, 1], [232, 24, 24])
     else:
@@ -435,9 +442,16 @@ def _stats_descriptor(t: torch.Tensor) -> TensorDescriptor:
 def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
     """A descriptor over the [batch, padded seqlen, nheads, head_dim] float32 dQ accumulator whose box
     is one block's rows of one head and 128 bytes of its columns, 128-byte swizzled: the layout of one
-    column slab of the kernel's staged dQ tile (a swizzled box may span at most 128 bytes of a row)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE_BYTES, element_bitwidth=32, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_M, 1, DQ_BOX_COLS.value], layout)
+    column slab of the kernel's staged dQ tile (a swizzled box may span at most 128 bytes of a row).
+    Viewed as [batch · padded seqlen / 8, 4, 2, nheads, head_dim] with row 8q + a + 4b at (q, a, b), so that
+    the box, filled row by row in (q, a, b) order, stages global row 8q + 4b + a at tile row 8q + 2a + b:
+    the order the consumers store (the 4 rows a half-warp stores then fall in 4 swizzle phases, where 4
+    consecutive rows shared 2: a 2-way bank conflict). Padded seqlens are whole blocks, multiples of 8."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=DQ_SWIZZLE_BYTES, element_bitwidth=32, rank=5)
+    batch, padded, heads, dim = t.shape
+    row = t.stride(1)
+    return TensorDescriptor(t, [batch * padded // 8, 4, 2, heads, dim], [8 * row, row, 4 * row, t.stride(2), 1],
+                            [BLOCK_M // 8, 4, 2, 1, DQ_BOX_COLS.value], layout)
 
 
 def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

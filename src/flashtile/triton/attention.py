@@ -187,11 +187,11 @@ def _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, 
                     num_pages, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                     APPLY_MASK: tl.constexpr):
     """K [BLOCK_N, BLOCK_D], V [BLOCK_N, BLOCK_DV], the keys' visibility [BLOCK_N] and whether the page is
-    inside the cache (a scalar) for keys ``start_n + o_n`` that lie in one page (``PAGE_SPLIT`` = 1): consecutive rows at one offset, so the
-    loads are the contiguous kernel's (offsets fixed across blocks plus one base per block; the per-key
-    row arithmetic of :func:`_paged_rows` cost the page-64 prefill about 1.6× the contiguous forward's
-    instructions on an H100). A page id outside the cache reads page 0 under a mask (zeros) and hides
-    the block's keys; only masked blocks (``APPLY_MASK``) mask by key bounds."""
+    inside the cache (a scalar) for keys ``start_n + o_n`` that lie in one page (``PAGE_SPLIT`` = 1):
+    consecutive rows at one offset, so the loads are the contiguous kernel's (offsets fixed across blocks
+    plus one base per block; the per-key row arithmetic of :func:`_paged_rows` cost the page-64 prefill
+    about 1.6× the contiguous forward's instructions on an H100). A page id outside the cache reads page 0
+    under a mask (zeros) and hides the block's keys; only masked blocks (``APPLY_MASK``) mask by key bounds."""
     # start_n < seqlen_k ≤ the table's capacity: the table entry exists
     page = tl.load(table_row + (start_n // page_size) * stride_tn)
     valid = (page >= 0) & (page < num_pages)
@@ -242,12 +242,12 @@ def _attn_fwd_inner(
         cols = start_n + o_n
         m_n = cols < seqlen_k
         if IS_PAGED and PAGE_SPLIT == 1:
-            b_k, b_v, m_n, pages_in_cache = _load_from_page(k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, m_dv,
-                                            stride_tn, page_size, num_pages, stride_kb, stride_ks, stride_kd,
-                                            stride_vb, stride_vs, stride_vd, APPLY_MASK)
+            b_k, b_v, m_n, pages_in_cache = _load_from_page(
+                k_src, v_src, table_row, start_n, o_n, m_n, o_d, m_d, o_dv, m_dv, stride_tn, page_size, num_pages,
+                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, APPLY_MASK)
         elif IS_PAGED:
-            b_page, slots, m_n, pages_in_cache = _paged_rows(table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size,
-                                             num_pages, PAGE_SPLIT, BLOCK_N)  # [BLOCK_N] each
+            b_page, slots, m_n, pages_in_cache = _paged_rows(
+                table_row, start_n, cols, m_n, seqlen_k, stride_tn, page_size, num_pages, PAGE_SPLIT, BLOCK_N)
             b_k = _load_paged(k_src, b_page, slots, m_n, o_d, m_d, stride_kb, stride_ks, stride_kd)
             b_v = _load_paged(v_src, b_page, slots, m_n, o_dv, m_dv, stride_vb, stride_vs, stride_vd)
         else:
