@@ -28,7 +28,7 @@ from flashtile import gluon
 
 pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kernels are written for another Triton")
 
-PAGED_PREFILL_PAGES = (16, 64)
+PAGED_PREFILL_CASES = ((16, "causal"), (64, "causal"), (16, "full"))
 SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
 CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
          for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
@@ -107,9 +107,9 @@ def _compile(case: str):
     )
 
 
-def _paged_prefill_ttgir(page_size: int) -> str:
+def _paged_prefill_ttgir(page_size: int, causal: bool) -> str:
     """The TTGIR of the forward kernel's paged prefill over pages of ``page_size`` (8 sequences of 1024 queries
-    against 4096 cached keys, 32:8 heads, head dim 128, causal), compiled through its launcher."""
+    against 4096 cached keys, 32:8 heads, head dim 128), compiled through its launcher."""
     from flashtile._options import AttentionOptions
     from flashtile.triton import launch, plans
 
@@ -124,7 +124,7 @@ def _paged_prefill_ttgir(page_size: int) -> str:
     table = torch.zeros(8, 4096 // page_size, dtype=torch.int32)
     launch.kvcache_attention_forward(torch.empty(8192, 32, 128, dtype=torch.bfloat16), cache, cache,
                                      torch.full((8,), 4096, dtype=torch.int32), None, table,
-                                     AttentionOptions(0.1, window_right=0),
+                                     AttentionOptions(0.1, window_right=0 if causal else -1),
                                      cu_seqlens_q=torch.arange(0, 9, dtype=torch.int32) * 1024, max_seqlen_q=1024)
     assert compiled and compiled[0].name == "attn_fwd_kernel", "the paged prefill no longer runs the forward kernel"
     return compiled[0].asm["ttgir"]
@@ -139,9 +139,10 @@ def compile_all(workdir: str) -> dict:
     for case in CASES:
         kernel = _compile(case)
         results[case] = (_ptxas_report(kernel, os.path.join(workdir, "kernel.ptx")), kernel.metadata.shared)
-    results["paged"] = {page_size: sum("async_copy_global_to_local" in line and "!tt.ptr<i32>" in line
-                                       for line in _paged_prefill_ttgir(page_size).splitlines())
-                        for page_size in PAGED_PREFILL_PAGES}
+    results["paged"] = {f"{page_size}-{mask}": sum("async_copy_global_to_local" in line and "!tt.ptr<i32>" in line
+                                                   for line in _paged_prefill_ttgir(page_size, mask == "causal")
+                                                   .splitlines())
+                        for page_size, mask in PAGED_PREFILL_CASES}
     return results
 
 
@@ -154,10 +155,11 @@ def reports(tmp_path_factory):
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("page_size", PAGED_PREFILL_PAGES)
-def test_paged_prefill_loads_page_ids_synchronously(reports, page_size):
-    # a block spanning 4 pages (16) and a block inside one (64): the two ways a whole block finds its rows
-    assert reports["paged"][str(page_size)] == 0, "page ids copied asynchronously: the pipeline waits on each block"
+@pytest.mark.parametrize("page_size, mask", PAGED_PREFILL_CASES, ids=[f"page{p}-{m}" for p, m in PAGED_PREFILL_CASES])
+def test_paged_prefill_loads_page_ids_synchronously(reports, page_size, mask):
+    # causal: a 64-key block spanning 4 pages (16) and one inside a page (64), the two ways a whole block finds
+    # its rows; full attention's 128-key blocks over pages of 16, narrowed to 4 pages (configs.paged_fwd_config)
+    assert reports["paged"][f"{page_size}-{mask}"] == 0, "page ids copied asynchronously: the pipeline waits on each block"
 
 
 @pytest.mark.parametrize("case", CASES)

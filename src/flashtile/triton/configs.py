@@ -115,6 +115,17 @@ def page_split(page_size: int, block_n: int) -> int:
     return 0
 
 
+def paged_fwd_config(config: dict, page_size: int) -> dict:
+    """The forward kernel's ``config`` for a paged cache of ``page_size``: where its key block spans more than
+    4 pages (:func:`page_split` 0: 16-key pages and 128-key blocks, a non-causal head dim 128 call) the block
+    narrows to 4 pages, if that leaves it 16 keys at least (``tl.dot``'s least), so that its page ids stay
+    scalar loads and out of the copies' way."""
+    block_n = config["BLOCK_N"]
+    if page_split(page_size, block_n) == 0 and block_n % page_size == 0 and 4 * page_size >= 16:
+        return dict(config, BLOCK_N=4 * page_size)
+    return config
+
+
 def decode_chunk_d(head_dim: int) -> int:
     """The KV-cache kernel's Q·Kᵀ chunk of the head dim: the whole padded head dim up to 256 (Q stays
     in registers), 64-wide chunks beyond (absorbed MLA's 576 = 9 · 64)."""

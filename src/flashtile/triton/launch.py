@@ -572,7 +572,8 @@ def _paged_prefill(plan: plans.LaunchPlan, call_key, q, k_cache, v_cache, sequse
                                    learnable_sink=learnable_sink)
         shape = (batch, max_seqlen_q, capacity, nheads_q, k_cache.shape[2], head_dim)
         padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
-        cfg = configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0, False, False)
+        cfg = configs.paged_fwd_config(configs.fwd_config(max(padded, padded_v), q.dtype, options.window_right >= 0,
+                                                          False, False), k_cache.shape[1])
         arguments = _variant_arguments(options, tensors, q, k_cache, shape, None)
         arguments.update(seqlen_k=capacity)  # the table's capacity, which clamps each sequence's key count
         plans.launch(
