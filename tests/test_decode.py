@@ -124,9 +124,11 @@ def test_cache_batch_idx(backend):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=lambda s: f"splits{s}")
-@pytest.mark.parametrize("page_size", [16, 48, 5], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("page_size", [16, 48, 5, 64], ids=lambda p: f"page{p}")
 def test_paged_cache(backend, page_size, num_splits):
-    # ragged lengths that end mid-page and on a page boundary; causal chunk of 3 queries
+    # ragged lengths that end mid-page and on a page boundary; causal chunk of 3 queries. The KV-cache kernel's
+    # 64-key blocks read 4 pages of 16 by scalar ids, pages of 48 and 5 by a vector of ids, a page of 64 whole
+    # (decode._paged_rows)
     Case(batch=3, seqlen_q=3, capacity=144, cache_seqlens=[0, 45, 141], seqlen_new=3, page_size=page_size,
          dtype=torch.float16, seed=4).check(causal=True, num_splits=num_splits)
 

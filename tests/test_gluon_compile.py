@@ -7,10 +7,11 @@ made the fused backward slow while it was written: wgmma instructions serialized
 registers (every matmul then waits for the previous one), and shared memory beyond the 227 KiB a
 block may have. The spills are printed, not judged (a few at head dim 128 cost little).
 
-One Triton kernel is compiled the same way for what its speed hangs on: the forward's paged prefill, whose
-block-table loads Triton's software pipeliner made asynchronous copies in two of its versions, and whose
-loop then waited for every copy in flight each block (0.34× the contiguous forward on an H100,
-benchmarks/NOTES.md): its TTGIR must copy no page id asynchronously.
+Two Triton kernels are compiled the same way for what their speed hangs on: over a paged cache (the forward
+kernel's paged prefill, the KV-cache kernel's paged decoding), Triton's software pipeliner made the block
+table's loads asynchronous copies in three of their versions, and the loop then waited for every copy in
+flight each block (0.34× the contiguous forward on an H100, benchmarks/NOTES.md): their TTGIR must copy no
+page id asynchronously.
 """
 
 import json
@@ -28,7 +29,9 @@ from flashtile import gluon
 
 pytestmark = pytest.mark.skipif(not gluon.written_for(), reason="the Gluon kernels are written for another Triton")
 
-PAGED_PREFILL_CASES = ((16, "causal"), (64, "causal"), (16, "full"))
+# (kernel, page size, mask): the paged calls whose page-id loads are checked
+PAGED_CASES = (("prefill", 16, "causal"), ("prefill", 64, "causal"), ("prefill", 16, "full"), ("decode", 16, "full"),
+               ("decode", 64, "full"))
 SM90_MAX_SHARED = 227 * 1024  # bytes of dynamic shared memory a block may use on the H100/H200
 CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_dim in (64, 128)
          for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
@@ -107,9 +110,10 @@ def _compile(case: str):
     )
 
 
-def _paged_prefill_ttgir(page_size: int, causal: bool) -> str:
-    """The TTGIR of the forward kernel's paged prefill over pages of ``page_size`` (8 sequences of 1024 queries
-    against 4096 cached keys, 32:8 heads, head dim 128), compiled through its launcher."""
+def _paged_ttgir(kernel: str, page_size: int, causal: bool) -> str:
+    """The TTGIR of a paged call over pages of ``page_size`` (32:8 heads, head dim 128), compiled through its
+    launcher: "prefill", 8 sequences of 1024 queries against 4096 cached keys (the forward kernel), or
+    "decode", one query for each of 16 sequences of 8192 cached keys (the KV-cache kernel)."""
     from flashtile._options import AttentionOptions
     from flashtile.triton import launch, plans
 
@@ -120,29 +124,35 @@ def _paged_prefill_ttgir(page_size: int, causal: bool) -> str:
         compiled.append(kernel.warmup(*[arguments[name] for name in kernel.arg_names], grid=grid, **options))
 
     plans.launch = compile_instead  # this process compiles only
-    cache = torch.empty(8 * 4096 // page_size, page_size, 8, 128, dtype=torch.bfloat16)
-    table = torch.zeros(8, 4096 // page_size, dtype=torch.int32)
-    launch.kvcache_attention_forward(torch.empty(8192, 32, 128, dtype=torch.bfloat16), cache, cache,
-                                     torch.full((8,), 4096, dtype=torch.int32), None, table,
-                                     AttentionOptions(0.1, window_right=0 if causal else -1),
-                                     cu_seqlens_q=torch.arange(0, 9, dtype=torch.int32) * 1024, max_seqlen_q=1024)
-    assert compiled and compiled[0].name == "attn_fwd_kernel", "the paged prefill no longer runs the forward kernel"
+    options = AttentionOptions(0.1, window_right=0 if causal else -1)
+    if kernel == "prefill":
+        batch, keys, expected = 8, 4096, "attn_fwd_kernel"
+        packed = dict(cu_seqlens_q=torch.arange(0, batch + 1, dtype=torch.int32) * 1024, max_seqlen_q=1024)
+        q = torch.empty(batch * 1024, 32, 128, dtype=torch.bfloat16)
+    else:
+        batch, keys, expected, packed = 16, 8192, "kvcache_attn_fwd_kernel", dict(num_splits=2)
+        q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(batch * keys // page_size, page_size, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(batch, keys // page_size, dtype=torch.int32)
+    launch.kvcache_attention_forward(q, cache, cache, torch.full((batch,), keys, dtype=torch.int32), None, table,
+                                     options, **packed)
+    assert compiled and compiled[0].name == expected, f"the paged {kernel} no longer runs {expected}"
     return compiled[0].asm["ttgir"]
 
 
 def compile_all(workdir: str) -> dict:
-    """{case: (ptxas's report, shared bytes)}, and under "paged" {page size: the paged prefill's asynchronous
-    copies of page ids}. Runs in a process of its own: under the interpreter, which the test session uses on
+    """{case: (ptxas's report, shared bytes)}, and under "paged" {paged case: its asynchronous copies of page
+    ids}. Runs in a process of its own: under the interpreter, which the test session uses on
     a CPU, Triton's own functions cannot be compiled."""
     triton.runtime.driver.set_active(_Sm90Target())
     results = {}
     for case in CASES:
         kernel = _compile(case)
         results[case] = (_ptxas_report(kernel, os.path.join(workdir, "kernel.ptx")), kernel.metadata.shared)
-    results["paged"] = {f"{page_size}-{mask}": sum("async_copy_global_to_local" in line and "!tt.ptr<i32>" in line
-                                                   for line in _paged_prefill_ttgir(page_size, mask == "causal")
-                                                   .splitlines())
-                        for page_size, mask in PAGED_PREFILL_CASES}
+    results["paged"] = {f"{kernel}-page{page_size}-{mask}": sum(
+        "async_copy_global_to_local" in line and "!tt.ptr<i32>" in line
+        for line in _paged_ttgir(kernel, page_size, mask == "causal").splitlines())
+        for kernel, page_size, mask in PAGED_CASES}
     return results
 
 
@@ -155,11 +165,12 @@ def reports(tmp_path_factory):
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("page_size, mask", PAGED_PREFILL_CASES, ids=[f"page{p}-{m}" for p, m in PAGED_PREFILL_CASES])
-def test_paged_prefill_loads_page_ids_synchronously(reports, page_size, mask):
-    # causal: a 64-key block spanning 4 pages (16) and one inside a page (64), the two ways a whole block finds
-    # its rows; full attention's 128-key blocks over pages of 16, narrowed to 4 pages (configs.paged_fwd_config)
-    assert reports["paged"][f"{page_size}-{mask}"] == 0, "page ids copied asynchronously: the pipeline waits on each block"
+@pytest.mark.parametrize("case", [f"{kernel}-page{page}-{mask}" for kernel, page, mask in PAGED_CASES])
+def test_paged_calls_load_page_ids_synchronously(reports, case):
+    # 64-key blocks spanning 4 pages (16) and inside one (64): the two ways a block finds its rows by scalar page
+    # ids; the forward's 128-key blocks of full attention over pages of 16, narrowed to 4 pages
+    # (configs.paged_fwd_config)
+    assert reports["paged"][case] == 0, "page ids copied asynchronously: the pipeline waits on each block"
 
 
 @pytest.mark.parametrize("case", CASES)

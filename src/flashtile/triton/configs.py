@@ -103,11 +103,11 @@ def decode_programs_per_sm(cache_dtype: torch.dtype) -> int:
 
 
 def page_split(page_size: int, block_n: int) -> int:
-    """How the forward kernel reads a paged key block's page ids (``PAGE_SPLIT``,
-    ``attention._paged_rows``): 1 when every block lies in one page, ``block_n // page_size`` scalar
-    loads when the block spans up to 4 whole pages, else 0, a vector load that Triton's pipeliner
-    makes an asynchronous copy the K/V copies must wait behind (0.34× the contiguous forward on an
-    H100 at every page size; benchmarks/NOTES.md)."""
+    """How the forward and KV-cache kernels read a paged key block's page ids (``PAGE_SPLIT``,
+    ``attention._paged_rows``, ``decode._paged_rows``): 1 when every block lies in one page,
+    ``block_n // page_size`` scalar loads when the block spans up to 4 whole pages, else 0, a vector load
+    that Triton's pipeliner makes an asynchronous copy the K/V copies must wait behind (0.34× the contiguous
+    forward on an H100 at every page size; benchmarks/NOTES.md)."""
     if page_size % block_n == 0:
         return 1
     if block_n % page_size == 0 and block_n // page_size <= 4:

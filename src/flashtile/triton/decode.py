@@ -85,6 +85,41 @@ def _float8_to_float16(x):
 
 
 @triton.jit
+def _paged_rows(table_base, start_n, o_n, m_n, limit, page_size, cache_rows, stride_tn, stride_kb, stride_ks,
+                stride_vb, stride_vs, PAGE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(K rows, V rows, visibility), each [BLOCK_N], of keys ``start_n + o_n`` (``start_n`` a multiple of
+    BLOCK_N, ``m_n`` their bounds, ``limit`` the end of the keys) in a paged cache: key j lives in page
+    ``table[j // page_size]``, slot ``j % page_size``; a page id outside the cache hides its keys and is never
+    dereferenced. ``PAGE_SPLIT`` (``configs.page_split``): 1, the block lies in one page, whose id is one
+    scalar load and whose rows are consecutive; > 1, the block spans that many whole pages, ids by scalar loads;
+    0, one vector load of an id per key, which Triton's pipeliner turns into an asynchronous copy that the
+    K/V copies wait behind, and a division per key (pages of 1–8 slots, or sizes that neither divide
+    BLOCK_N nor are multiples of it)."""
+    if PAGE_SPLIT == 1:
+        # start_n < the sequence's keys ≤ the table's capacity: the entry exists
+        page = tl.load(table_base + (start_n // page_size) * stride_tn).to(tl.int64)
+        valid = (page >= 0) & (page < cache_rows)
+        page = tl.where(valid, page, 0)
+        slots = start_n % page_size + o_n
+        return page * stride_kb + slots * stride_ks, page * stride_vb + slots * stride_vs, m_n & valid
+    if PAGE_SPLIT > 1:
+        PAGE: tl.constexpr = BLOCK_N // PAGE_SPLIT  # the page size; start_n is a multiple of it
+        b_page = tl.zeros([BLOCK_N], dtype=tl.int64)
+        for j in tl.static_range(PAGE_SPLIT):
+            # a page that starts past the keys is not read (the table holds the pages of every key)
+            page = tl.load(table_base + (start_n // PAGE + j) * stride_tn, mask=start_n + j * PAGE < limit, other=0)
+            b_page = tl.where(o_n // PAGE == j, page.to(tl.int64), b_page)
+        slots = o_n % PAGE
+    else:
+        cols = start_n + o_n
+        b_page = tl.load(table_base + (cols // page_size) * stride_tn, mask=m_n, other=0).to(tl.int64)
+        slots = cols % page_size
+    m_n = m_n & (b_page >= 0) & (b_page < cache_rows)
+    b_page = tl.where(m_n, b_page, 0)
+    return b_page * stride_kb + slots * stride_ks, b_page * stride_vb + slots * stride_vs, m_n
+
+
+@triton.jit
 def kvcache_attn_fwd_kernel(
     Q, K, V, Out, Lse, SeqlensK, CacheBatchIdx, BlockTable, AlibiSlopes, Sinks, CuSeqlensQ, CacheLeftpad,
     KDescale, VDescale, RotaryCos, RotarySin, RotaryStart,
@@ -96,8 +131,8 @@ def kvcache_attn_fwd_kernel(
     stride_tb, stride_tn, stride_ab, stride_ah, stride_sb, stride_sh, stride_ro,
     nheads_k, group_size, seqlen_q, num_splits, page_size, capacity, cache_rows, seqlen_ro,
     qk_scale, softcap_scale, softcap_log2, window_left, window_right,
-    IS_PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    HAS_DESCALE: tl.constexpr, CONVERT_V_BY_PTX: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    IS_PAGED: tl.constexpr, PAGE_SPLIT: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_VARLEN_Q: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr, HAS_DESCALE: tl.constexpr, CONVERT_V_BY_PTX: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_START: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -226,13 +261,9 @@ def kvcache_attn_fwd_kernel(
         if HAS_LEFTPAD:
             m_n = m_n & (cols >= leftpad)
         if IS_PAGED:
-            # key j lives in page block_table[b, j // page_size], row j % page_size; a page id outside
-            # the cache makes its keys invisible and is never dereferenced
-            b_page = tl.load(table_base + (cols // page_size) * stride_tn, mask=m_n, other=0).to(tl.int64)
-            m_n = m_n & (b_page >= 0) & (b_page < cache_rows)
-            b_page = tl.where(m_n, b_page, 0)
-            k_rows = b_page * stride_kb + (cols % page_size) * stride_ks  # [BLOCK_N]
-            v_rows = b_page * stride_vb + (cols % page_size) * stride_vs
+            k_rows, v_rows, m_n = _paged_rows(table_base, start_n, o_n, m_n, split_hi, page_size, cache_rows,
+                                              stride_tn, stride_kb, stride_ks, stride_vb, stride_vs, PAGE_SPLIT,
+                                              BLOCK_N)  # [BLOCK_N] each
         else:
             k_rows = cols * stride_ks
             v_rows = cols * stride_vs
