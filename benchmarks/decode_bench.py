@@ -202,11 +202,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="also write the markdown report to this path")
     parser.add_argument("--skip-tuning", action="store_true", help="skip the block-config/split sweep")
+    parser.add_argument("--paged-only", action="store_true", help="only the paged-against-contiguous table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_bench needs a CUDA device")
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
+    if args.paged_only:
+        print("\n".join(paged_vs_contiguous(copy_bw)))
+        return
     lines = [
         f"# flashtile decoding on {props.name}, {datetime.date.today()}",
         "",

@@ -18,7 +18,7 @@ Each case prints one line and goes into ``--out`` (JSON with date, device and ve
   against a float8_e4m3fn one (bytes per step halve);
 * paged-prefill: flash_attn_varlen_func over a paged cache (pages of 16, 64, 256; by the forward kernel, which
   the call takes, and by the KV-cache kernel) against the contiguous varlen call, 8 sequences of 1024 new
-  queries over 4096 keys;
+  queries over 4096 keys, causal, then full attention at pages of 16 and 64;
 * mixed-batch: a vLLM-style step, 64 sequences with 4k–12k cached keys (page 16), 58 decoding one
   token and 6 prefilling chunks of 512, as one paged flash_attn_varlen_func call, against SDPA on the
   padded equivalent (every sequence padded to the longest chunk and cache, a boolean mask); the batch
@@ -231,6 +231,16 @@ def paged_prefill_cases(results):
             with paged_route(2**31):
                 timed(f"paged-prefill: paged (page {page}), KV-cache kernel", lambda: flashtile.flash_attn_varlen_func(
                     q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
+        # full attention (a cascade's shared-prefix call) takes 128-key blocks at head dim 128: pages of 16 span
+        # 8 pages a block, the case configs.paged_fwd_config narrows to 4 pages
+        timed("paged-prefill: contiguous varlen (full)", lambda: flashtile.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, new, keys), results, 2 * flops)
+        for page in (16, 64):
+            pages = keys // page
+            k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
+            table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+            timed(f"paged-prefill: paged (page {page}, full)", lambda: flashtile.flash_attn_varlen_func(
+                q, k_cache, v_cache, cu_q, cu_k, new, keys, block_table=table), results, 2 * flops)
 
 
 def mixed_batch_cases(results):
