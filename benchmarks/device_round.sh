@@ -28,7 +28,8 @@
 #   bash benchmarks/device_round.sh tables    the tables issues 19, 20 and 23 ask for, in one call: the training
 #                                             sweep and steps (benchmarks/bwd_round.sh timings), the short rows
 #                                             (experiments/persistent_grids.py, seqlen 512-2048), the host time per
-#                                             layer, and features_round's fp8-decode, paged-prefill and mixed-batch
+#                                             layer and under autograd engine settings, and features_round's
+#                                             fp8-decode, paged-prefill and mixed-batch
 #   bash benchmarks/device_round.sh profile   Nsight Compute's profile of every row of issue 19's sweep (forward and
 #                                             backward, flashtile and cuDNN; benchmarks/profile_rows.py), and its table
 #   bash benchmarks/device_round.sh source    Nsight Compute's warp-stall samples per SASS instruction of the fused
@@ -66,7 +67,7 @@ if [ "$1" = tables ]; then
   timeout 130 python3 benchmarks/experiments/persistent_grids.py --seqlens 512,1024,2048 > $OUT/short.log 2>&1
   tail -16 $OUT/short.log
   echo "== host time at $(( $(date +%s) - T0 )) s"
-  timeout 60 python3 benchmarks/host_overhead.py --layers > $OUT/host.log 2>&1; tail -13 $OUT/host.log
+  timeout 90 python3 benchmarks/host_overhead.py --layers --engine > $OUT/host.log 2>&1; tail -17 $OUT/host.log
   echo "== serving at $(( $(date +%s) - T0 )) s"
   timeout $(( 585 - ($(date +%s) - T0) )) python3 benchmarks/features_round.py \
     --cases fp8-decode paged-prefill mixed-batch > $OUT/features.log 2>&1

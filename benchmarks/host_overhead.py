@@ -15,12 +15,20 @@ kernel takes a few µs. This times the host side alone, per call, median of ``--
 
 ``--layers`` (GPU) also times each layer of the same calls on its own, from the bare Triton launch of
 an empty kernel up to the public function, to show which layer the host time is spent in.
+
+``--engine`` times forward + backward and the backward alone, flashtile's and SDPA's, under three settings
+of PyTorch's autograd engine: as it is (on a GPU the backward runs on the engine's device thread, which
+runs flashtile's Python Function there), with that thread off (``torch.autograd.set_multithreading_enabled
+(False)``: the backward on the calling thread, as on a CPU), and with Python's garbage collector off. Which
+setting moves flashtile's time and not SDPA's says where the autograd layer's cost is (benchmarks/NOTES.md,
+twenty-first session).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -147,11 +155,51 @@ def _cases(device: str):
             ("decode step (kv cache 4 x 1024)", decoding, None)]
 
 
+def _engine_cases(device: str):
+    """(name, call): forward + backward and the backward alone (one recorded graph, retained), flashtile's
+    and SDPA's, on the tiny shape."""
+    q, k, v, dout = _tiny_inputs(device)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    doutt = dout.transpose(1, 2)
+    out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    out_sdpa = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    return [
+        ("flashtile fwd+bwd", lambda: torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True),
+                                                           (qg, kg, vg), dout)),
+        ("SDPA fwd+bwd", lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+                                                      (qt, kt, vt), doutt)),
+        ("flashtile bwd", lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)),
+        ("SDPA bwd", lambda: torch.autograd.grad(out_sdpa, (qt, kt, vt), doutt, retain_graph=True)),
+    ]
+
+
+def _engine_table(device: str, calls: int, repeats: int, sync) -> list[dict]:
+    """µs per call of :func:`_engine_cases` under each engine setting, printed as a table."""
+    settings = (("as it is", True, True), ("no device thread", False, True), ("gc off", True, False))
+    cases = _engine_cases(device)
+    print("autograd engine settings, µs per call: " + " | ".join(name for name, _ in cases))
+    records = []
+    try:
+        for setting, threads, collect in settings:
+            torch.autograd.set_multithreading_enabled(threads)
+            (gc.enable if collect else gc.disable)()
+            times = [_per_call_us(call, calls, repeats, sync) for _, call in cases]
+            records += [dict(case=f"{name}, {setting}", flashtile_us=t) for (name, _), t in zip(cases, times)]
+            print(f"  {setting:18s} " + " | ".join(f"{t:7.1f}" for t in times))
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+        gc.enable()
+    return records
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layers", action="store_true", help="also time each layer on its own (GPU)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also time forward+backward under autograd engine settings (device thread, gc)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="also print the 25 costliest functions (own time, cProfile) of each flashtile case")
@@ -185,6 +233,8 @@ def main(argv=None):
         for name, call in _layers(device):
             records.append(dict(case=name, flashtile_us=_per_call_us(call, args.calls, args.repeats, sync)))
             print(f"  {name:34s} flashtile {records[-1]['flashtile_us']:7.1f}")
+    if args.engine:
+        records += _engine_table(device, args.calls, args.repeats, sync)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment=environment(device), records=records), f, indent=1)
