@@ -8,7 +8,8 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$1" = tests ]; then
-  timeout 330 python3 -m pytest -q -n 16 tests > $OUT/pytest.log 2>&1; grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -25
+  # -v: each result line names its test, so a run that the limit cuts still names its failures
+  timeout 420 python3 -m pytest -v -n 16 tests > $OUT/pytest.log 2>&1; grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -25
   timeout 150 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m pytest -q -x \
     tests/test_malformed.py "tests/test_hopper.py::test_gluon_backward[bf16-d128-q17-k113-causal]" \
     "tests/test_hopper.py::test_gluon_backward[bf16-d64-q1000-k128-full]" > $OUT/memcheck.log 2>&1

@@ -44,8 +44,8 @@ fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline | head -1
-if [ "$1" = tests ]; then
-  timeout 280 python3 -m pytest -q -n 15 tests/test_hopper.py tests/test_gluon_compile.py tests/test_sinks.py \
+if [ "$1" = tests ]; then  # -v: a run that the limit cuts still names its failures
+  timeout 280 python3 -m pytest -v -n 15 tests/test_hopper.py tests/test_gluon_compile.py tests/test_sinks.py \
     tests/test_head_dim_v.py tests/test_serving.py tests/test_large_offsets.py tests/test_cuda_graphs.py \
     tests/test_compile.py tests/test_decode.py tests/test_malformed.py tests/test_varlen.py tests/test_flash_attn.py \
     ${FULL_SUITE:+tests} > $OUT/pytest.log 2>&1
