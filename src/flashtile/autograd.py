@@ -45,6 +45,10 @@ def _save(ctx, layout, a, b, c, tensors: AttentionTensors, options: AttentionOpt
     ctx.layout = layout
     ctx.options = options
     ctx.mark_non_differentiable(lse)
+    # the backward reads no gradient of the log-sum-exp (non-differentiable: the backward runs only where out
+    # got one): left unmaterialised, the engine passes None instead of allocating and zero-filling a tensor
+    # like lse on every backward (a fill kernel on a GPU)
+    ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, dout, grads: list) -> tuple:
