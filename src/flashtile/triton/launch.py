@@ -526,14 +526,18 @@ def kvcache_attention_forward(q, k_cache, v_cache, seqlens_k, cache_batch_idx, b
     if rotary_cos is not None:  # the kernels index the tables' rows by one stride
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
     call = (q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx, table, slopes, learnable_sink,
-            cu_seqlens_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start)
-    with launch_device(q):
-        plans.replay_or_record(call_key, plan, call, lambda plan: _record_kvcache_attention(
+            cu_seqlens_q, cache_leftpad, k_descale, v_descale, rotary_cos, rotary_sin, rotary_start, out, lse)
+
+    def record(plan: plans.LaunchPlan) -> None:
+        _record_kvcache_attention(
             plan, q, k_cache, v_cache, out_part, lse_part, seqlens_k, cache_batch_idx, block_table, table, slopes,
             options, alibi_slopes, learnable_sink, cu_seqlens_q, cache_leftpad, k_descale, v_descale, rotary_cos,
-            rotary_sin, rotary_start, rotary_interleaved, head_dim, nheads_q, batch, rows))
-        if plan.num_splits > 1:
-            merge_states_into(out_part, lse_part, out, lse)
+            rotary_sin, rotary_start, rotary_interleaved, head_dim, nheads_q, batch, rows)
+        if plan.num_splits > 1:  # the splits' merge in the same plan: a step replays both launches at once
+            _record_merge(plan, out_part, lse_part, out, lse)
+
+    with launch_device(q):
+        plans.replay_or_record(call_key, plan, call, record)
     return (out[0], lse[0]) if varlen else (out, lse)
 
 
@@ -720,22 +724,24 @@ def _record_kvcache_append(plan: plans.LaunchPlan, k_cache, v_cache, k, v, cache
 def merge_states_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """outs [P, N, S, H, D], lses [P, N, H, S] (any strides) merged into out [N, S, H, D] (any float
     dtype) and lse [N, H, S] float32, written in place."""
-    _, n, seqlen, nheads, head_dim = outs.shape
-    if out.numel() == 0 and lse.numel() == 0:
-        return
     call_key = plans.key("merge", outs, lses, out, lse)
     plan = plans.lookup(call_key) or plans.LaunchPlan()
-    call = (outs, lses, out, lse)
-
-    def record(plan: plans.LaunchPlan) -> None:
-        block_s = min(16, next_power_of_2(seqlen))
-        plans.launch(
-            plan, merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
-            **_strides("o", "pnshd", outs.stride()), **_strides("l", "pnhs", lses.stride()),
-            **_strides("m", "nshd", out.stride()), **_strides("L", "nhs", lse.stride()),
-            num_parts=outs.shape[0], seqlen=seqlen, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
-            BLOCK_S=block_s, WIDE=wide_offsets(outs=outs, lses=lses, out=out, lse=lse),
-        )
-
     with launch_device(outs):
-        plans.replay_or_record(call_key, plan, call, record)
+        plans.replay_or_record(call_key, plan, (outs, lses, out, lse),
+                               lambda plan: _record_merge(plan, outs, lses, out, lse))
+
+
+def _record_merge(plan: plans.LaunchPlan, outs, lses, out, lse) -> None:
+    """The merge kernel's launch for :func:`merge_states_into`'s arguments, recorded in ``plan``; none where
+    there is nothing to merge."""
+    if out.numel() == 0 and lse.numel() == 0:
+        return
+    _, n, seqlen, nheads, head_dim = outs.shape
+    block_s = min(16, next_power_of_2(seqlen))
+    plans.launch(
+        plan, merge_states_kernel, (cdiv(seqlen, block_s), nheads, n), Outs=outs, Lses=lses, Out=out, Lse=lse,
+        **_strides("o", "pnshd", outs.stride()), **_strides("l", "pnhs", lses.stride()),
+        **_strides("m", "nshd", out.stride()), **_strides("L", "nhs", lse.stride()),
+        num_parts=outs.shape[0], seqlen=seqlen, HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim),
+        BLOCK_S=block_s, WIDE=wide_offsets(outs=outs, lses=lses, out=out, lse=lse),
+    )
