@@ -102,6 +102,44 @@ def test_cpu_gradients_route_does_not_depend_on_modes(monkeypatch):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_non_reentrant_checkpoint(backend, dtype):
+    # a non-reentrant checkpoint lets the backward unpack each saved tensor once; it then recomputes the
+    # forward, so the gradients are those of the call without it
+    q, k, v, do = make_inputs(1, 17, 40, 2, 1, 32, dtype, seed=21)
+
+    def attend(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+    grads = torch.autograd.grad(torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False),
+                                (q, k, v), do)
+    expected = torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+
+class _DropsGradient(torch.autograd.Function):
+    """The identity, whose backward gives its input no gradient (an undefined one, not zeros)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_output_whose_gradient_is_undefined(backend):
+    # every gradient that reaches out is undefined: the backward still runs (q gets one from elsewhere) and
+    # gives q, k, v none of its own
+    q, k, v, _ = make_inputs(1, 17, 17, 2, 2, 32, torch.float32, seed=22)
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    (_DropsGradient.apply(out).sum() + q.sum()).backward()
+    assert torch.equal(q.grad, torch.ones_like(q))
+    assert k.grad is None and v.grad is None
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
 def test_cpu_path_builds_a_bias_free_layout_once_per_key(monkeypatch):
     # a layer's repeated calls reuse one layout; a call that differs in shape or options gets its own

@@ -45,17 +45,21 @@ def _save(ctx, layout, a, b, c, tensors: AttentionTensors, options: AttentionOpt
     ctx.layout = layout
     ctx.options = options
     ctx.mark_non_differentiable(lse)
-    # the backward reads no gradient of the log-sum-exp (non-differentiable: the backward runs only where out
-    # got one): left unmaterialised, the engine passes None instead of allocating and zero-filling a tensor
-    # like lse on every backward (a fill kernel on a GPU)
+    # the backward reads no gradient of the log-sum-exp: left unmaterialised, the engine passes None instead of
+    # allocating and zero-filling a tensor like lse on every backward (a fill kernel on a GPU); out's gradient
+    # is None too where every gradient that reached out was undefined (``_NO_GRADIENTS``)
     ctx.set_materialize_grads(False)
 
 
-def _gradients(ctx, dout, grads: list) -> tuple:
-    """The backward of a call saved by :func:`_save`, writing dq, dk, dv into ``grads`` (buffers like the
-    inputs a, b, c) → the gradients of ``apply``'s arguments."""
-    a, b, c, out, lse, *saved = ctx.saved_tensors
-    tensors = AttentionTensors(*saved)
+_NO_GRADIENTS = (None,) * 11  # one per argument of ``apply``: out got no gradient, so no input gets one
+
+
+def _gradients(ctx, saved: tuple, dout, grads: list) -> tuple:
+    """The backward of a call saved by :func:`_save`, whose ``ctx.saved_tensors`` are ``saved`` (read once a
+    backward: under a non-reentrant checkpoint each saved tensor may be unpacked only once), writing dq, dk,
+    dv into ``grads`` (buffers like the inputs a, b, c) → the gradients of ``apply``'s arguments."""
+    a, b, c, out, lse, *optional = saved
+    tensors = AttentionTensors(*optional)
     q, k, v = unpack(ctx.layout, a, b, c)
     dq, dk, dv = unpack(ctx.layout, *grads)
     bias_grad = tensors.attn_bias is not None and ctx.needs_input_grad[5]
@@ -81,7 +85,10 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _gradients(ctx, dout, [torch.empty_like(t) if t is not None else None for t in ctx.saved_tensors[:3]])
+        if dout is None:
+            return _NO_GRADIENTS
+        saved = ctx.saved_tensors
+        return _gradients(ctx, saved, dout, [torch.empty_like(t) if t is not None else None for t in saved[:3]])
 
 
 class TransformableFlashAttnFunction(FlashAttnFunction):
@@ -106,12 +113,15 @@ class TransformableFlashAttnFunction(FlashAttnFunction):
         # the operator writes the gradients into these buffers: under torch.vmap they must be vmapped
         # wherever anything of the call is (only the incoming gradient under jacrev, only an input where a
         # shared gradient is pulled back), as new_empty's of a sum of all of them are
+        if dout is None:
+            return _NO_GRADIENTS
+        saved = ctx.saved_tensors
         anchor = dout.new_zeros(())
-        for t in ctx.saved_tensors:
+        for t in saved:
             if t is not None:
                 anchor = anchor + t.new_zeros((), dtype=dout.dtype)
-        buffers = [anchor.new_empty(t.shape) if t is not None else None for t in ctx.saved_tensors[:3]]
-        return _gradients(ctx, dout, buffers)
+        buffers = [anchor.new_empty(t.shape) if t is not None else None for t in saved[:3]]
+        return _gradients(ctx, saved, dout, buffers)
 
 
 def attend(layout, a, b, c, q, k, v, tensors: AttentionTensors, options: AttentionOptions):
