@@ -219,13 +219,18 @@ def paged_prefill_cases(results):
     cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
     cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * keys
     flops = 4 * batch * 32 * new * keys * 128 * 0.5  # causal: roughly half of the rectangle's work
+
+    def paged(page):
+        """k and v as caches of ``page``-key pages, and a block table that shuffles them."""
+        pages = keys // page
+        table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+        return k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128), table
+
     with torch.no_grad():
         timed("paged-prefill: contiguous varlen", lambda: flashtile.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, new, keys, causal=True), results, flops)
         for page in (16, 64, 256):
-            pages = keys // page
-            k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
-            table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+            k_cache, v_cache, table = paged(page)
             timed(f"paged-prefill: paged (page {page})", lambda: flashtile.flash_attn_varlen_func(
                 q, k_cache, v_cache, cu_q, cu_k, new, keys, causal=True, block_table=table), results, flops)
             with paged_route(2**31):
@@ -236,9 +241,7 @@ def paged_prefill_cases(results):
         timed("paged-prefill: contiguous varlen (full)", lambda: flashtile.flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, new, keys), results, 2 * flops)
         for page in (16, 64):
-            pages = keys // page
-            k_cache, v_cache = k.view(batch * pages, page, 8, 128), v.view(batch * pages, page, 8, 128)
-            table = torch.randperm(batch * pages, device="cuda").to(torch.int32).view(batch, pages)
+            k_cache, v_cache, table = paged(page)
             timed(f"paged-prefill: paged (page {page}, full)", lambda: flashtile.flash_attn_varlen_func(
                 q, k_cache, v_cache, cu_q, cu_k, new, keys, block_table=table), results, 2 * flops)
 
