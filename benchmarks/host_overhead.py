@@ -46,6 +46,7 @@ import triton  # noqa: E402
 import flashtile  # noqa: E402
 import flashtile.ops  # noqa: E402
 from flashtile._options import AttentionOptions, AttentionTensors  # noqa: E402
+from flashtile.autograd import FlashAttnFunction  # noqa: E402
 from flashtile.triton import launch  # noqa: E402
 from flashtile.cli.bench import environment  # noqa: E402
 
@@ -174,19 +175,53 @@ def _engine_cases(device: str):
     ]
 
 
+class _BodyTimer:
+    """Wraps ``FlashAttnFunction.backward`` (PyTorch looks it up on the class at each backward) to add up the
+    wall time spent inside it, on whichever thread the engine runs it: what is left of a backward's time is
+    the engine's own, and the Python call into the body."""
+
+    def __init__(self):
+        self.seconds, self.calls, self._backward = 0.0, 0, FlashAttnFunction.backward
+
+    def __enter__(self):
+        body = self._backward
+
+        def timed(ctx, *grads):
+            start = time.perf_counter()
+            try:
+                return body(ctx, *grads)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        FlashAttnFunction.backward = staticmethod(timed)
+        return self
+
+    def __exit__(self, *exc):
+        FlashAttnFunction.backward = staticmethod(self._backward)
+
+    def per_call_us(self) -> float:
+        return self.seconds / max(self.calls, 1) * 1e6
+
+
 def _engine_table(device: str, calls: int, repeats: int, sync) -> list[dict]:
-    """µs per call of :func:`_engine_cases` under each engine setting, printed as a table."""
+    """µs per call of :func:`_engine_cases` under each engine setting, printed as a table, with the time inside
+    flashtile's backward body (its Function's ``backward``) per backward."""
     settings = (("as it is", True, True), ("no device thread", False, True), ("gc off", True, False))
     cases = _engine_cases(device)
-    print("autograd engine settings, µs per call: " + " | ".join(name for name, _ in cases))
+    print("autograd engine settings, µs per call: " + " | ".join(name for name, _ in cases)
+          + " | inside flashtile's backward body")
     records = []
     try:
         for setting, threads, collect in settings:
             torch.autograd.set_multithreading_enabled(threads)
             (gc.enable if collect else gc.disable)()
             times = [_per_call_us(call, calls, repeats, sync) for _, call in cases]
+            with _BodyTimer() as body:  # apart from the timed rounds: the wrapper costs a little itself
+                _per_call_us(cases[2][1], calls, 1, sync)
             records += [dict(case=f"{name}, {setting}", flashtile_us=t) for (name, _), t in zip(cases, times)]
-            print(f"  {setting:18s} " + " | ".join(f"{t:7.1f}" for t in times))
+            records.append(dict(case=f"inside the backward body, {setting}", flashtile_us=body.per_call_us()))
+            print(f"  {setting:18s} " + " | ".join(f"{t:7.1f}" for t in (*times, body.per_call_us())))
     finally:
         torch.autograd.set_multithreading_enabled(True)
         gc.enable()
