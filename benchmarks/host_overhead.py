@@ -22,6 +22,11 @@ runs flashtile's Python Function there), with that thread off (``torch.autograd.
 (False)``: the backward on the calling thread, as on a CPU), and with Python's garbage collector off. Which
 setting moves flashtile's time and not SDPA's says where the autograd layer's cost is (benchmarks/NOTES.md,
 twenty-first session).
+
+``--graphs`` (GPU) times the same tiny calls captured in CUDA graphs (``torch.cuda.graph``), flashtile's and
+SDPA's: a replay launches every kernel of the step with no Python, so what is left per call is the graph's
+launch and the kernels themselves — what a model run under CUDA graphs (``torch.compile(mode="reduce-overhead")``,
+an inference engine's captured decoding steps) pays instead of the host times above.
 """
 
 from __future__ import annotations
@@ -130,10 +135,6 @@ def _cases(device: str):
     q_step = torch.randn(4, 1, 8, 64, device=device, dtype=dtype)
     cache_seqlens = torch.full((4,), 1000, dtype=torch.int32, device=device)
 
-    def sdpa_inference():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
     # autograd.grad, not backward(): accumulating into .grad would add three tensor additions
     def recording():  # what `flashtile bench` times as its forward: the inputs need grad
         flashtile.flash_attn_func(qg, kg, vg, causal=True)
@@ -150,7 +151,7 @@ def _cases(device: str):
     def decoding():
         flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
 
-    return [("forward (no grad)", lambda: _inference(q, k, v), sdpa_inference),
+    return [("forward (no grad)", lambda: _inference(q, k, v), lambda: _sdpa_inference(qt, kt, vt)),
             ("forward, inputs need grad", recording, sdpa_recording),
             ("forward + backward", training, sdpa_training),
             ("decode step (kv cache 4 x 1024)", decoding, None)]
@@ -228,6 +229,51 @@ def _engine_table(device: str, calls: int, repeats: int, sync) -> list[dict]:
     return records
 
 
+def _captured(step):
+    """``step`` warmed up on a side stream, then recorded in a CUDA graph → the graph's ``replay``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _graph_table(calls: int, repeats: int) -> list[dict]:
+    """µs per replay of :func:`_cases`' forward without grad and forward + backward, captured, flashtile's and
+    SDPA's, printed as a table."""
+    q, k, v, dout = _tiny_inputs("cuda")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # as _cases gives them to SDPA
+    qtg, ktg, vtg = (t.clone().requires_grad_() for t in (qt, kt, vt))
+    doutt = dout.transpose(1, 2)
+    cases = [
+        ("forward (no grad)", lambda: _inference(q, k, v), lambda: _sdpa_inference(qt, kt, vt)),
+        ("forward + backward",
+         lambda: torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout),
+         lambda: torch.autograd.grad(F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True),
+                                     (qtg, ktg, vtg), doutt)),
+    ]
+    print("captured in CUDA graphs, µs per replay")
+    records = []
+    for name, ours, peer in cases:
+        record = dict(case=f"{name}, CUDA graph", flashtile_us=_per_call_us(_captured(ours), calls, repeats,
+                                                                            torch.cuda.synchronize),
+                      sdpa_us=_per_call_us(_captured(peer), calls, repeats, torch.cuda.synchronize))
+        records.append(record)
+        print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}   SDPA {record['sdpa_us']:7.1f}")
+    return records
+
+
+def _sdpa_inference(qt, kt, vt):
+    with torch.no_grad():
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=400)
@@ -235,6 +281,7 @@ def main(argv=None):
     parser.add_argument("--layers", action="store_true", help="also time each layer on its own (GPU)")
     parser.add_argument("--engine", action="store_true",
                         help="also time forward+backward under autograd engine settings (device thread, gc)")
+    parser.add_argument("--graphs", action="store_true", help="also time the calls captured in CUDA graphs (GPU)")
     parser.add_argument("--out", help="write the measurements as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="also print the 25 costliest functions (own time, cProfile) of each flashtile case")
@@ -270,6 +317,8 @@ def main(argv=None):
             print(f"  {name:34s} flashtile {records[-1]['flashtile_us']:7.1f}")
     if args.engine:
         records += _engine_table(device, args.calls, args.repeats, sync)
+    if args.graphs and device == "cuda":
+        records += _graph_table(args.calls, args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment=environment(device), records=records), f, indent=1)
