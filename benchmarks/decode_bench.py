@@ -208,9 +208,6 @@ def main():
         raise SystemExit("decode_bench needs a CUDA device")
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
-    if args.paged_only:
-        print("\n".join(paged_vs_contiguous(copy_bw)))
-        return
     lines = [
         f"# flashtile decoding on {props.name}, {datetime.date.today()}",
         "",
@@ -218,11 +215,12 @@ def main():
         f"bf16, head dim {HEAD_DIM}, {NHEADS}:{NHEADS_K} GQA, seqlen_q 1; do_bench medians.",
         f"Copy bandwidth (4 GiB `copy_`, read + write): **{copy_bw / 1e9:.0f} GB/s**.",
         "",
-        "## Decode: K/V bandwidth", "", *decode_sweep(copy_bw), "",
-        "## Ragged cache lengths vs SDPA on the padded batch", "", *ragged_vs_sdpa(), "",
-        "## Paged vs contiguous cache", "", *paged_vs_contiguous(copy_bw), "",
     ]
-    if not args.skip_tuning:
+    if not args.paged_only:
+        lines += ["## Decode: K/V bandwidth", "", *decode_sweep(copy_bw), "",
+                  "## Ragged cache lengths vs SDPA on the padded batch", "", *ragged_vs_sdpa(), ""]
+    lines += ["## Paged vs contiguous cache", "", *paged_vs_contiguous(copy_bw), ""]
+    if not args.skip_tuning and not args.paged_only:
         lines += ["## Tuning data", "", *tuning(copy_bw), ""]
     report = "\n".join(lines)
     print(report)

@@ -93,86 +93,86 @@ def _empty_kernel(x):
     pass
 
 
-def _tiny_inputs(device: str):
-    """q, k, v, dout: bf16, batch 1, seqlen 128, 8 heads, head dim 64 (kernels of a few µs)."""
-    return [torch.randn(1, 128, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(4)]
+class TinyCalls:
+    """The tiny shape's causal calls, flashtile's and SDPA's, on one set of inputs (bf16, batch 1, seqlen 128, 8
+    heads, head dim 64: kernels of a few µs): q, k, v, dout in flashtile's layout (batch, seqlen, heads, dim), ``sdpa`` the same tensors as SDPA's (batch, heads, seqlen, dim) views, and
+    ``leaves``/``sdpa_leaves`` copies of each that need gradients. autograd.grad, not backward(): accumulating
+    into .grad would add three tensor additions to every step."""
 
+    def __init__(self, device: str):
+        self.q, self.k, self.v, self.dout = (torch.randn(1, 128, 8, 64, device=device, dtype=torch.bfloat16)
+                                             for _ in range(4))
+        self.leaves = tuple(t.clone().requires_grad_() for t in (self.q, self.k, self.v))
+        self.sdpa = tuple(t.transpose(1, 2) for t in (self.q, self.k, self.v))
+        self.sdpa_leaves = tuple(t.clone().requires_grad_() for t in self.sdpa)
+        self.sdpa_dout = self.dout.transpose(1, 2)
 
-def _inference(q, k, v):
-    with torch.no_grad():
-        flashtile.flash_attn_func(q, k, v, causal=True)
+    def inference(self):
+        with torch.no_grad():
+            flashtile.flash_attn_func(self.q, self.k, self.v, causal=True)
+
+    def sdpa_inference(self):
+        with torch.no_grad():
+            F.scaled_dot_product_attention(*self.sdpa, is_causal=True)
+
+    def recording(self):  # what `flashtile bench` times as its forward: the inputs need grad
+        return flashtile.flash_attn_func(*self.leaves, causal=True)
+
+    def sdpa_recording(self):
+        return F.scaled_dot_product_attention(*self.sdpa_leaves, is_causal=True)
+
+    def training(self):
+        return torch.autograd.grad(self.recording(), self.leaves, self.dout)
+
+    def sdpa_training(self):
+        return torch.autograd.grad(self.sdpa_recording(), self.sdpa_leaves, self.sdpa_dout)
 
 
 def _layers(device: str):
     """(name, call) for each layer of the forward and backward on the tiny shape, bottom up."""
-    scale = 0.125
-    q, k, v, dout = _tiny_inputs(device)
-    causal, plain = AttentionOptions(scale, window_right=0), AttentionTensors()
+    calls = TinyCalls(device)
+    q, k, v, dout = calls.q, calls.k, calls.v, calls.dout
+    causal, plain = AttentionOptions(0.125, window_right=0), AttentionTensors()
     out, lse = launch.attention_forward(q, k, v, causal, plain)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    out_g = calls.recording()
     ops = flashtile.ops  # call_fwd/call_bwd: how eager calls reach the operators (ops.direct)
     return [("an empty Triton kernel", lambda: _empty_kernel[(1,)](q)),
             ("forward launcher", lambda: launch.attention_forward(q, k, v, causal, plain)),
             ("forward operator", lambda: ops.call_fwd(q, k, v, plain, causal)),
-            ("forward, public function", lambda: _inference(q, k, v)),
+            ("forward, public function", calls.inference),
             ("backward launcher (3 kernels)",
              lambda: launch.attention_backward(dout, q, k, v, out, lse, causal, plain, dq, dk, dv)),
             ("backward operator", lambda: ops.call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, plain, causal)),
-            ("backward through autograd", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout, retain_graph=True))]
+            ("backward through autograd", lambda: torch.autograd.grad(out_g, calls.leaves, dout, retain_graph=True))]
 
 
 def _cases(device: str):
     """(name, flashtile call, SDPA call or None) on the tiny shape, and a decoding step."""
-    dtype = torch.bfloat16
-    q, k, v, dout = _tiny_inputs(device)
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (batch, heads, seqlen, dim)
-    qtg, ktg, vtg = (t.clone().requires_grad_() for t in (qt, kt, vt))
-    doutt = dout.transpose(1, 2)
-    k_cache, v_cache = (torch.randn(4, 1024, 8, 64, device=device, dtype=dtype) for _ in range(2))
-    q_step = torch.randn(4, 1, 8, 64, device=device, dtype=dtype)
+    calls = TinyCalls(device)
+    k_cache, v_cache = (torch.randn(4, 1024, 8, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q_step = torch.randn(4, 1, 8, 64, device=device, dtype=torch.bfloat16)
     cache_seqlens = torch.full((4,), 1000, dtype=torch.int32, device=device)
-
-    # autograd.grad, not backward(): accumulating into .grad would add three tensor additions
-    def recording():  # what `flashtile bench` times as its forward: the inputs need grad
-        flashtile.flash_attn_func(qg, kg, vg, causal=True)
-
-    def sdpa_recording():
-        F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True)
-
-    def training():
-        torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)
-
-    def sdpa_training():
-        torch.autograd.grad(F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True), (qtg, ktg, vtg), doutt)
 
     def decoding():
         flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
 
-    return [("forward (no grad)", lambda: _inference(q, k, v), lambda: _sdpa_inference(qt, kt, vt)),
-            ("forward, inputs need grad", recording, sdpa_recording),
-            ("forward + backward", training, sdpa_training),
+    return [("forward (no grad)", calls.inference, calls.sdpa_inference),
+            ("forward, inputs need grad", calls.recording, calls.sdpa_recording),
+            ("forward + backward", calls.training, calls.sdpa_training),
             ("decode step (kv cache 4 x 1024)", decoding, None)]
 
 
 def _engine_cases(device: str):
     """(name, call): forward + backward and the backward alone (one recorded graph, retained), flashtile's
     and SDPA's, on the tiny shape."""
-    q, k, v, dout = _tiny_inputs(device)
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    qt, kt, vt = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
-    doutt = dout.transpose(1, 2)
-    out = flashtile.flash_attn_func(qg, kg, vg, causal=True)
-    out_sdpa = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    calls = TinyCalls(device)
+    out, out_sdpa = calls.recording(), calls.sdpa_recording()
     return [
-        ("flashtile fwd+bwd", lambda: torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True),
-                                                           (qg, kg, vg), dout)),
-        ("SDPA fwd+bwd", lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
-                                                      (qt, kt, vt), doutt)),
-        ("flashtile bwd", lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)),
-        ("SDPA bwd", lambda: torch.autograd.grad(out_sdpa, (qt, kt, vt), doutt, retain_graph=True)),
+        ("flashtile fwd+bwd", calls.training),
+        ("SDPA fwd+bwd", calls.sdpa_training),
+        ("flashtile bwd", lambda: torch.autograd.grad(out, calls.leaves, calls.dout, retain_graph=True)),
+        ("SDPA bwd", lambda: torch.autograd.grad(out_sdpa, calls.sdpa_leaves, calls.sdpa_dout, retain_graph=True)),
     ]
 
 
@@ -246,18 +246,9 @@ def _captured(step):
 def _graph_table(calls: int, repeats: int) -> list[dict]:
     """µs per replay of :func:`_cases`' forward without grad and forward + backward, captured, flashtile's and
     SDPA's, printed as a table."""
-    q, k, v, dout = _tiny_inputs("cuda")
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # as _cases gives them to SDPA
-    qtg, ktg, vtg = (t.clone().requires_grad_() for t in (qt, kt, vt))
-    doutt = dout.transpose(1, 2)
-    cases = [
-        ("forward (no grad)", lambda: _inference(q, k, v), lambda: _sdpa_inference(qt, kt, vt)),
-        ("forward + backward",
-         lambda: torch.autograd.grad(flashtile.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout),
-         lambda: torch.autograd.grad(F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True),
-                                     (qtg, ktg, vtg), doutt)),
-    ]
+    calls = TinyCalls("cuda")
+    cases = [("forward (no grad)", calls.inference, calls.sdpa_inference),
+             ("forward + backward", calls.training, calls.sdpa_training)]
     print("captured in CUDA graphs, µs per replay")
     records = []
     for name, ours, peer in cases:
@@ -267,11 +258,6 @@ def _graph_table(calls: int, repeats: int) -> list[dict]:
         records.append(record)
         print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}   SDPA {record['sdpa_us']:7.1f}")
     return records
-
-
-def _sdpa_inference(qt, kt, vt):
-    with torch.no_grad():
-        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
 
 def main(argv=None):

@@ -19,12 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # host_overhead, beside this folder
 import host_overhead  # noqa: E402  (sets TRITON_INTERPRET on a CPU before flashtile is imported)
 
-import flashtile  # noqa: E402
 from flashtile import ops  # noqa: E402
 from flashtile._options import AttentionOptions, AttentionTensors  # noqa: E402
 from flashtile.triton import launch, plans  # noqa: E402
@@ -45,17 +43,15 @@ class _Nothing(torch.autograd.Function):
 
 
 def _rows(device: str):
-    q, k, v, dout = host_overhead._tiny_inputs(device)
+    calls = host_overhead.TinyCalls(device)
+    q, k, v, dout = calls.q, calls.k, calls.v, calls.dout
     causal, plain = AttentionOptions(0.125, window_right=0), AttentionTensors()
     out, lse = launch.attention_forward(q, k, v, causal, plain)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out_g = flashtile.flash_attn_func(qg, kg, vg, causal=True)
+    out_g = calls.recording()
     node = out_g.grad_fn  # the Function's backward object: its apply runs the backward body, no engine
-    qt, kt, vt = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
-    out_sdpa = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-    doutt = dout.transpose(1, 2)
-    out_nothing, _ = _Nothing.apply(qg, kg, vg)
+    out_sdpa = calls.sdpa_recording()
+    out_nothing, _ = _Nothing.apply(*calls.leaves)
 
     def fresh_buffers():
         grads = [torch.empty_like(t) for t in (q, k, v)]
@@ -74,9 +70,9 @@ def _rows(device: str):
         ("operator, 3 fresh empty_like", fresh_buffers),
         ("3 empty_like alone", lambda: [torch.empty_like(t) for t in (q, k, v)]),
         ("the Function's backward, no engine", body),
-        ("autograd.grad, flashtile", grad(out_g, (qg, kg, vg), dout)),
-        ("autograd.grad, SDPA", grad(out_sdpa, (qt, kt, vt), doutt)),
-        ("autograd.grad, a Function doing nothing", grad(out_nothing, (qg, kg, vg), dout)),
+        ("autograd.grad, flashtile", grad(out_g, calls.leaves, dout)),
+        ("autograd.grad, SDPA", grad(out_sdpa, calls.sdpa_leaves, calls.sdpa_dout)),
+        ("autograd.grad, a Function doing nothing", grad(out_nothing, calls.leaves, dout)),
     ]
 
 
