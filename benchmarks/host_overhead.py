@@ -154,13 +154,22 @@ def _cases(device: str):
     q_step = torch.randn(4, 1, 8, 64, device=device, dtype=torch.bfloat16)
     cache_seqlens = torch.full((4,), 1000, dtype=torch.int32, device=device)
 
+    # SDPA's decoding step on the padded cache (issue 20's peer): the cache as (batch, heads, slots, dim) views,
+    # the slots past each sequence's length masked out by a boolean mask built once, as a model's step gets it
+    sdpa_cache = (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    sdpa_mask = (torch.arange(1024, device=device) < cache_seqlens[:, None]).view(4, 1, 1, 1024)
+
     def decoding():
         flashtile.flash_attn_with_kvcache(q_step, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True)
+
+    def sdpa_decoding():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q_step.transpose(1, 2), *sdpa_cache, attn_mask=sdpa_mask)
 
     return [("forward (no grad)", calls.inference, calls.sdpa_inference),
             ("forward, inputs need grad", calls.recording, calls.sdpa_recording),
             ("forward + backward", calls.training, calls.sdpa_training),
-            ("decode step (kv cache 4 x 1024)", decoding, None)]
+            ("decode step (kv cache 4 x 1024)", decoding, sdpa_decoding)]
 
 
 def _engine_cases(device: str):
