@@ -156,8 +156,11 @@ def _cache(paged: bool, seed=2):
         (dict(cache_batch_idx=[0, 2]), r"cache_batch_idx\[1\]=2 is not a row of the cache \(0..1\)"),
         (dict(block_table=[[0, 1], [2, -1]], cache_seqlens=[3, 9]), r"block_table\[1, 1\]=-1 is not a page"),
         (dict(block_table=[[0, 10**6], [2, 3]], cache_seqlens=[9, 3]), r"block_table\[0, 1\]=1000000 is not a page"),
+        (dict(cache_leftpad=[0, -1]), r"cache_leftpad\[1\]=-1 must be in 0..cache_seqlens\[1\]=5"),
+        (dict(cache_leftpad=[4, 0]), r"cache_leftpad\[0\]=4 must be in 0..cache_seqlens\[0\]=3"),
     ],
-    ids=["seqlens-negative", "seqlens-past-capacity", "batch-idx", "page-negative", "page-huge"],
+    ids=["seqlens-negative", "seqlens-past-capacity", "batch-idx", "page-negative", "page-huge", "leftpad-negative",
+         "leftpad-past-seqlens"],
 )
 def test_malformed_cache_indices_raise_where_checking_is_free(change, message, monkeypatch):
     if DEVICE == "cuda":

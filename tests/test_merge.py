@@ -173,3 +173,24 @@ def test_flash_attn_combine_in_fa3_layouts(backend):
         flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"out_partial must hold at least one split"):
         flashtile.flash_attn_combine(outs[:0], lses[:0].transpose(-1, -2))
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="out must be on out_partial's device"):
+            flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_attn_combine_into_float32_keeps_float32_precision(backend, dtype):
+    # 16-bit partials merged into a float32 result (out_dtype or out=) are summed in float32 and rounded
+    # once, to float32, as FA3's combine does: not merged in the partials' dtype and widened after (~4e-3
+    # off in bf16)
+    outs, lses = random_states(3, seed=11)
+    outs = outs.to(dtype)
+    weights = torch.softmax(lses.double(), dim=0).transpose(-1, -2)[..., None]  # [P, B, S, H, 1]
+    exact = (weights * outs.double()).sum(0)
+    out, _ = flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.float32)
+    buffer = torch.empty(outs.shape[1:], device=DEVICE)
+    written, _ = flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer)
+    assert written is buffer
+    for result in (out, buffer):
+        assert result.dtype == torch.float32
+        torch.testing.assert_close(result.double(), exact, rtol=0, atol=1e-5)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import DEVICE, assert_accurate
 
 import flashtile
@@ -24,6 +26,7 @@ from flashtile import ops
 from flashtile._options import AttentionOptions
 from flashtile.reference import kvcache_attention_reference
 from flashtile.triton import configs, launch, plans
+from flashtile.triton.decode import quantise_float8
 
 SEQLENS_Q = [1, 37, 1, 5, 0, 3]  # decode rows, a prefill chunk, a prompt from scratch, an idle slot
 SEQUSED_K = [20, 60, 1, 5, 9, 3]  # keys per sequence, the new queries' own included
@@ -413,6 +416,34 @@ def test_rotary_with_packed_queries_equals_the_batch_form(backend):
 
 
 FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@triton.jit
+def _quantise_float8_kernel(X, Y, descale, N: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+                            MIN_EXPONENT: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(Y + offsets, quantise_float8(tl.load(X + offsets), descale, FP8_MAX, MANTISSA, MIN_EXPONENT))
+
+
+@pytest.mark.parametrize("fmt", FLOAT8)
+def test_appended_values_are_quantised_as_torch_quantises_them(fmt):
+    # the append kernel's rounding to float8 (before the store's conversion, which is then exact on a GPU) against
+    # the CPU path's (x / descale).clamp(-max, max).to(float8), bit for bit: ties, subnormals, values beyond the
+    # format, the sign of zero and NaN (which a clamp without NaN propagation and the bit arithmetic made finite)
+    dtype8 = FLOAT8[fmt]
+    info = torch.finfo(dtype8)
+    g = torch.Generator().manual_seed(5)
+    special = [0.0, -0.0, -1e-9, 1e-9, info.tiny / 3, -info.tiny / 2, info.tiny * 1.0625, float("nan"),
+               float("inf"), float("-inf"), info.max * 1.01, -info.max * 4, 1.0 + info.eps / 2, -(1.0 + 1.5 * info.eps)]
+    x = torch.cat([torch.tensor(special), torch.randn(1024 - len(special), generator=g) * 4.0 ** torch.randint(
+        -8, 8, (1024 - len(special),), generator=g)]).to(DEVICE)
+    y = torch.empty_like(x)
+    _quantise_float8_kernel[(1,)](x, y, 0.75, N=1024, FP8_MAX=info.max, MANTISSA=round(-math.log2(info.eps)),
+                                  MIN_EXPONENT=round(math.log2(info.tiny)))
+    expected = (x / 0.75).clamp(-info.max, info.max).to(dtype8).float()
+    assert torch.equal(y.isnan(), expected.isnan())
+    numbers = ~expected.isnan()
+    assert torch.equal(y[numbers], expected[numbers]) and torch.equal(y.signbit()[numbers], expected.signbit()[numbers])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")

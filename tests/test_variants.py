@@ -401,18 +401,29 @@ def test_window_accepts_integer_like_bounds(backend):
         (dict(softcap=-1e300), ValueError, "softcap must be at most"),
         (dict(softcap=1e-40), ValueError, "softmax_scale / softcap must be at most"),
         (dict(dropout_p=None), TypeError, "dropout_p must be a number"),
+        (dict(causal="no"), TypeError, "causal must be a bool, got 'no'"),
+        (dict(causal=2), TypeError, "causal must be a bool, got 2"),
     ],
     ids=["window-len1", "window-below-minus-1", "window-float", "window-int", "alibi-length", "alibi-rank",
          "alibi-dtype", "softcap-negative", "dropout-negative", "dropout-one", "window-bool", "softcap-nan",
          "softcap-none", "scale-nan", "scale-inf", "scale-str", "scale-beyond-float32", "scale-times-log2e-beyond-float32",
          "softcap-beyond-float32", "softcap-tiny",
-         "dropout-none"],
+         "dropout-none", "causal-str", "causal-two"],
 )
 def test_bad_variant_arguments_raise(kwargs, error, message):
     if isinstance(kwargs.get("alibi_slopes"), torch.Tensor):
         kwargs = {**kwargs, "alibi_slopes": kwargs["alibi_slopes"].to(DEVICE)}
     with pytest.raises(error, match=message):
         flashtile.flash_attn_func(*_small(), **kwargs)
+
+
+def test_causal_takes_bool_likes():
+    # what a caller may hold for a yes/no option: numpy's and torch's bools, the ints 0 and 1
+    q, k, v = _small()
+    expected = flashtile.flash_attn_func(q, k, v, causal=True)
+    for causal in (1, np.True_, torch.tensor(True)):
+        assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=causal), expected), repr(causal)
+    assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=np.False_), flashtile.flash_attn_func(q, k, v))
 
 
 def test_options_validated_once_are_not_lent_to_look_alikes():

@@ -174,12 +174,28 @@ def _integer(value) -> int | None:
         return None
 
 
-def window(window_size, causal: bool) -> tuple[int, int]:
+def flag(name: str, value) -> bool:
+    """A yes/no option: a bool, a numpy bool, or an integer-like 0 or 1 (``causal=1``, a 0-d tensor); not a
+    string or a float, which Python's truthiness would read as yes (``causal="no"``)."""
+    if isinstance(value, bool):
+        return value
+    # a 0-d bool tensor, or a numpy bool (dtype kind "b"; numpy is not imported for it)
+    dtype = getattr(value, "dtype", None)
+    if (dtype == torch.bool or getattr(dtype, "kind", None) == "b") and getattr(value, "shape", None) == ():
+        return bool(value)
+    integer = _integer(value)
+    if integer not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(integer)
+
+
+def window(window_size, causal) -> tuple[int, int]:
     """(left, right) of a valid ``window_size`` with causal folded in (right = 0)."""
+    causal = flag("causal", causal)
     bounds = [_integer(w) for w in window_size] if isinstance(window_size, (tuple, list)) else []
     if len(bounds) != 2 or not all(w is not None and w >= -1 for w in bounds):
         raise ValueError(f"window_size must be a pair of ints ≥ -1 (-1 = unbounded), got {window_size!r}")
-    return fold_causal(bounds, bool(causal))
+    return fold_causal(bounds, causal)
 
 
 def finite_number(name: str, value) -> float:
@@ -288,8 +304,12 @@ def check_out(out, shape: tuple, dtype, device):
     return out
 
 
-def check_cache_leftpad(cache_leftpad, batch: int, block_table, device):
-    """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn)."""
+def check_cache_leftpad(cache_leftpad, batch: int, block_table, device, cache_seqlens, capacity: int):
+    """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn).
+    Where its values are read (:func:`checks_contents`), sequence b's first key is a slot of its old keys or
+    the first new one: 0 ≤ cache_leftpad[b] ≤ cache_seqlens[b] (the cache's capacity where cache_seqlens is
+    None), as flash-attn 2's tests draw it. Unchecked (a GPU tensor), the kernels clamp a value into that
+    range (``flashtile.triton.decode``)."""
     if cache_leftpad is None:
         return None
     if block_table is not None:
@@ -297,6 +317,17 @@ def check_cache_leftpad(cache_leftpad, batch: int, block_table, device):
     _check_int32("cache_leftpad", cache_leftpad, (batch,))
     if cache_leftpad.device != device:
         raise ValueError(f"cache_leftpad must be on {device}, got {cache_leftpad.device}")
+    if checks_contents(cache_leftpad):
+        if isinstance(cache_seqlens, torch.Tensor):
+            ends = cache_seqlens.tolist() if checks_contents(cache_seqlens) else [capacity] * batch
+        else:
+            ends = [capacity if cache_seqlens is None else cache_seqlens] * batch
+        bad = [(b, start, end) for b, (start, end) in enumerate(zip(cache_leftpad.tolist(), ends))
+               if not 0 <= start <= end]
+        if bad:
+            b, start, end = bad[0]
+            raise ValueError(f"cache_leftpad[{b}]={start} must be in 0..cache_seqlens[{b}]={end} "
+                             f"({len(bad)} sequences out of range)")
     return cache_leftpad
 
 
@@ -642,6 +673,8 @@ def check_combine(out_partial, lse_partial, out, out_dtype=None) -> None:
             raise ValueError(f"out must have shape {tuple(out_partial.shape[1:])}, got {tuple(out.shape)}")
         if out.dtype not in FLOAT_DTYPES:
             raise TypeError(f"out must be float16, bfloat16 or float32, got {out.dtype}")
+        if out.device != out_partial.device:
+            raise ValueError(f"out must be on out_partial's device {out_partial.device}, got {out.device}")
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:

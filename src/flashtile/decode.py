@@ -121,8 +121,9 @@ def flash_attn_with_kvcache(
         rotary_interleaved: keyword only: rotate pairs (2j, 2j + 1) (GPT-J; flash-attn's default)
             rather than (j, j + rotary_dim / 2) (GPT-NeoX).
         cache_leftpad: keyword only, optional (batch,) int32: sequence b's keys are cache slots
-            [cache_leftpad[b], cache_seqlens[b] + seqlen_new) (cache_seqlens stays the absolute end;
-            rotary positions stay slot indices). Not with block_table (as in flash-attn).
+            [cache_leftpad[b], cache_seqlens[b] + seqlen_new), 0 ≤ cache_leftpad[b] ≤ cache_seqlens[b]
+            (cache_seqlens stays the absolute end; rotary positions stay slot indices). Not with
+            block_table (as in flash-attn).
         k_descale, v_descale: keyword only, optional (batch, nheads_k) float32, for a float8 cache
             (float8_e4m3fn or float8_e5m2; q in float16/bfloat16): the keys and values are the stored
             values times these scales (default 1); appended k, v are stored divided by them, clamped
@@ -146,7 +147,8 @@ def flash_attn_with_kvcache(
     capacity = cache_capacity(k_cache, block_table)
     options = _validate.kvcache_options(head_dim, softmax_scale, causal, window_size, softcap, capacity)
     _validate.check_rotary(rotary_cos, rotary_sin, head_dim, q.device, capacity, appends=k is not None)
-    cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device)
+    cache_leftpad = _validate.check_cache_leftpad(cache_leftpad, batch, block_table, q.device, cache_seqlens,
+                                                  capacity)
     k_descale, v_descale = _validate.check_descale(k_descale, v_descale, k_cache, batch, q.device)
     out = _validate.check_out(out, ops.out_shape(q, v_cache), q.dtype, q.device)
     alibi_slopes = _validate.check_alibi(alibi_slopes, batch, nheads_q, q.device)

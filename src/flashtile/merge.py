@@ -14,8 +14,9 @@ output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's mark of a row th
 key) counts as −inf: an empty part, not NaN.
 
 Layout (flash-attn's): outputs ``[..., seqlen, nheads, headdim]`` and
-log-sum-exps ``[..., nheads, seqlen]``, float32. The weights are formed in
-float32; the merged output has the dtype of the inputs' outputs.
+log-sum-exps ``[..., nheads, seqlen]``, float32. The weights and the sum are formed in
+float32; the merged output has the dtype of the inputs' outputs (``flash_attn_combine``: the
+``out``/``out_dtype`` asked for, rounded once).
 
 Two implementations of the same formula, chosen by ``flashtile.ops.merge_states``: a Triton
 kernel (``flashtile.triton.merge``; CUDA tensors, and CPU tensors under ``TRITON_INTERPRET=1``)
@@ -77,9 +78,7 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         splits are all empty give 0 and −inf.
     """
     _validate.check_combine(out_partial, lse_partial, out, out_dtype)
-    merged, lse = merge_split_attention_states(out_partial, lse_partial.transpose(-1, -2))
-    if out is None:
-        out = merged if out_dtype is None else merged.to(out_dtype)
-    else:
-        out.copy_(merged)
+    # merged in float32 and rounded once, to the result's dtype (a float32 result of 16-bit partials keeps
+    # float32's precision), straight into ``out`` where given
+    out, lse = ops.merge_states(out_partial, lse_partial.transpose(-1, -2), out=out, out_dtype=out_dtype)
     return out, lse.transpose(-1, -2)

@@ -546,19 +546,22 @@ def kvcache_attention(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_tab
     return out, torch.ops.flashtile.kvcache_fwd_out(*call, out)
 
 
-def merge_states(outs: torch.Tensor, lses: torch.Tensor):
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None):
     """outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D], lse [..., H, S] float32): the
     Triton kernel, or the PyTorch formula on the CPU path and for inputs that need grad (the kernel
-    has no backward)."""
+    has no backward). The merge runs in float32 and is rounded once, into ``out`` where given (written in
+    place), else into a new tensor of ``out_dtype`` (default outs' dtype)."""
     needs_grad = torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)
     if needs_grad or not uses_triton(outs):
-        return reference.merge_split_states(outs, lses)
+        merged, lse = reference.merge_split_states(outs, lses, out.dtype if out is not None else out_dtype)
+        return (merged if out is None else out.copy_(merged)), lse
     num_parts, seqlen, nheads, head_dim = outs.shape[0], *outs.shape[-3:]
-    lead = outs.shape[1:-3]
-    out = torch.empty(outs.shape[1:], dtype=outs.dtype, device=outs.device)
+    if out is None:
+        out = torch.empty(outs.shape[1:], dtype=out_dtype or outs.dtype, device=outs.device)
     lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
     launch.merge_states_into(
         outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
         out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
     )
-    return out.view(*lead, seqlen, nheads, head_dim), lse.view(*lead, nheads, seqlen)
+    return out, lse

@@ -46,12 +46,12 @@ def merge_softmax_states(a, b):
     return m, alpha * l_a + beta * l_b, alpha[..., None] * o_a + beta[..., None] * o_b
 
 
-def merge_split_states(outs: torch.Tensor, lses: torch.Tensor):
+def merge_split_states(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None):
     """Merge P normalised partial outputs through their log-sum-exps.
 
-    outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D] in outs' dtype,
+    outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D] in ``out_dtype``, default outs' dtype,
     lse [..., H, S] float32), with ``L = log Σ_p exp(L_p)`` and ``O = Σ_p exp(L_p − L) · O_p``;
-    the weights are formed in float32. A part with ``L_p = −inf`` contributes nothing; if
+    the weights and the sum are formed in float32 and rounded once, to ``out_dtype``. A part with ``L_p = −inf`` contributes nothing; if
     every part is −inf the result is output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's
     mark of an empty row) is an empty part too.
     """
@@ -64,7 +64,7 @@ def merge_split_states(outs: torch.Tensor, lses: torch.Tensor):
     lse = torch.where(seen, m_safe + torch.log(total), torch.full_like(m, -math.inf))
     weights = scales / torch.where(seen, total, torch.ones_like(total))  # [P, ..., H, S]
     out = (weights.transpose(-1, -2)[..., None] * outs.float()).sum(0)  # [..., S, H, D]
-    return out.to(outs.dtype), lse
+    return out.to(out_dtype or outs.dtype), lse
 
 
 def output_delta(dout: torch.Tensor, out: torch.Tensor, varlen: bool) -> torch.Tensor:

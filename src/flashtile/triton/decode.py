@@ -319,12 +319,24 @@ def _round_to_float8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     interpreter does not round to nearest). Normal values keep ``MANTISSA`` bits (rounding the bit
     pattern); below 2^``MIN_EXPONENT`` the step is fixed, and a float32 add rounds to it."""
     SHIFT: tl.constexpr = 23 - MANTISSA
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & ~((1 << SHIFT) - 1)
+    x_bits = x.to(tl.int32, bitcast=True)
+    bits = (x_bits + ((1 << (SHIFT - 1)) - 1) + ((x_bits >> SHIFT) & 1)) & ~((1 << SHIFT) - 1)
     normal = bits.to(tl.float32, bitcast=True)
     magic: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXPONENT - MANTISSA)  # adds with a step of 2^(MIN_EXPONENT - MANTISSA)
-    subnormal = (x + magic) - magic
-    return tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, subnormal, normal)
+    subnormal = (tl.abs(x) + magic) - magic
+    # the sign kept (−0, and what rounds to it, stay −0); a product, as a negation compiles to 0 − x, which is +0
+    subnormal = tl.where(x_bits < 0, subnormal * -1.0, subnormal)
+    rounded = tl.where(tl.abs(x) < 2.0 ** MIN_EXPONENT, subnormal, normal)
+    return tl.where(x != x, x, rounded)  # NaN stays NaN (the bit arithmetic would make it a number)
+
+
+@triton.jit
+def quantise_float8(x, descale, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """x / descale clamped to ±``FP8_MAX`` and rounded to the float8 format's nearest value (ties to even), as
+    float32: what the CPU path's ``(x / descale).clamp(-max, max).to(float8)`` stores, NaN (kept by the clamp,
+    as torch's clamp keeps it) and the sign of zero included."""
+    clamped = tl.clamp(x.to(tl.float32) / descale, -FP8_MAX, FP8_MAX, tl.PropagateNan.ALL)
+    return _round_to_float8(clamped, MANTISSA, MIN_EXPONENT)
 
 
 @triton.jit
@@ -403,10 +415,8 @@ def kvcache_append_kernel(
     if HAS_DESCALE:
         k_descale = tl.load(KDescale + i_b * stride_sb + i_h * stride_sh)
         v_descale = tl.load(VDescale + i_b * stride_sb + i_h * stride_sh)
-        b_k = _round_to_float8(tl.clamp(b_k.to(tl.float32) / k_descale, -FP8_MAX, FP8_MAX), FP8_MANTISSA,
-                               FP8_MIN_EXPONENT).to(KCache.dtype.element_ty)
-        b_v = _round_to_float8(tl.clamp(b_v.to(tl.float32) / v_descale, -FP8_MAX, FP8_MAX), FP8_MANTISSA,
-                               FP8_MIN_EXPONENT).to(VCache.dtype.element_ty)
+        b_k = quantise_float8(b_k, k_descale, FP8_MAX, FP8_MANTISSA, FP8_MIN_EXPONENT).to(KCache.dtype.element_ty)
+        b_v = quantise_float8(b_v, v_descale, FP8_MAX, FP8_MANTISSA, FP8_MIN_EXPONENT).to(VCache.dtype.element_ty)
     tl.store(KCache + i_h * stride_ch + k_rows[:, None] + o_d[None, :] * stride_cd, b_k,
              mask=valid[:, None] & m_d[None, :])
     # V after K: where v_cache is a view into k_cache (absorbed MLA), the value channels are written last
