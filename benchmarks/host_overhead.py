@@ -94,10 +94,11 @@ def _empty_kernel(x):
 
 
 class TinyCalls:
-    """The tiny shape's causal calls, flashtile's and SDPA's, on one set of inputs (bf16, batch 1, seqlen 128, 8
-    heads, head dim 64: kernels of a few µs): q, k, v, dout in flashtile's layout (batch, seqlen, heads, dim), ``sdpa`` the same tensors as SDPA's (batch, heads, seqlen, dim) views, and
-    ``leaves``/``sdpa_leaves`` copies of each that need gradients. autograd.grad, not backward(): accumulating
-    into .grad would add three tensor additions to every step."""
+    """The tiny shape's causal calls, flashtile's and SDPA's, on one set of inputs (bf16, batch 1, seqlen 128,
+    8 heads, head dim 64: kernels of a few µs): q, k, v, dout in flashtile's layout (batch, seqlen, heads,
+    dim), ``sdpa`` the same tensors as SDPA's (batch, heads, seqlen, dim) views, and ``leaves``/``sdpa_leaves``
+    copies of each that need gradients. autograd.grad, not backward(): accumulating into .grad would add three
+    tensor additions to every step."""
 
     def __init__(self, device: str):
         self.q, self.k, self.v, self.dout = (torch.randn(1, 128, 8, 64, device=device, dtype=torch.bfloat16)

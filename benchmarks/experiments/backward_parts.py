@@ -65,7 +65,8 @@ def _rows(device: str):
         return lambda: torch.autograd.grad(output, inputs, gradient, retain_graph=True)
 
     return [
-        ("launcher, fixed buffers", lambda: launch.attention_backward(dout, q, k, v, out, lse, causal, plain, dq, dk, dv)),
+        ("launcher, fixed buffers",
+         lambda: launch.attention_backward(dout, q, k, v, out, lse, causal, plain, dq, dk, dv)),
         ("operator, fixed buffers", lambda: ops.call_bwd(dout, q, k, v, out, lse, dq, dk, dv, False, plain, causal)),
         ("operator, 3 fresh empty_like", fresh_buffers),
         ("3 empty_like alone", lambda: [torch.empty_like(t) for t in (q, k, v)]),
