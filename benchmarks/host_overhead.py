@@ -256,9 +256,9 @@ def _captured(step):
 def _graph_table(calls: int, repeats: int) -> list[dict]:
     """µs per replay of :func:`_cases`' forward without grad and forward + backward, captured, flashtile's and
     SDPA's, printed as a table."""
-    calls = TinyCalls("cuda")
-    cases = [("forward (no grad)", calls.inference, calls.sdpa_inference),
-             ("forward + backward", calls.training, calls.sdpa_training)]
+    tiny = TinyCalls("cuda")
+    cases = [("forward (no grad)", tiny.inference, tiny.sdpa_inference),
+             ("forward + backward", tiny.training, tiny.sdpa_training)]
     print("captured in CUDA graphs, µs per replay")
     records = []
     for name, ours, peer in cases:

@@ -72,6 +72,8 @@ def test_sdpa_api_refuses_mask_with_causal():
     q, k, v = (t.transpose(1, 2) for t in qkv())
     with pytest.raises(ValueError, match="attn_mask and is_causal"):
         flashtile.attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool, got 'yes'"):
+        flashtile.attention(q, k, v, is_causal="yes")
 
 
 def test_sdpa_api_requires_enable_gqa_for_fewer_kv_heads():

@@ -173,9 +173,31 @@ def test_flash_attn_combine_in_fa3_layouts(backend):
         flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"out_partial must hold at least one split"):
         flashtile.flash_attn_combine(outs[:0], lses[:0].transpose(-1, -2))
+    with pytest.raises(TypeError, match="out_partial must be float16, bfloat16 or float32, got torch.float64"):
+        flashtile.flash_attn_combine(outs.double(), lses.transpose(-1, -2))
+    with pytest.raises(TypeError, match="lse_partial must be a floating-point tensor, got torch.int32"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2).int())
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer[:1].expand_as(buffer))
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="out must be on out_partial's device"):
             flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=buffer.cpu())
+        with pytest.raises(ValueError, match="out_partial and lse_partial must be on one device"):
+            flashtile.flash_attn_combine(outs, lses.transpose(-1, -2).cpu())
+
+
+def test_flash_attn_combine_out_is_seen_by_autograd(backend):
+    # out= written in place: a graph that saved out sees the write (its version moves), and an out that is a
+    # leaf needing grad is refused, as an in-place copy into it would be
+    outs, lses = random_states(2, seed=12)
+    out = torch.zeros(outs.shape[1:], device=DEVICE)
+    weight = torch.ones((), device=DEVICE, requires_grad=True)
+    saved = (weight * out).sum()  # saves out for its backward
+    flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        flashtile.flash_attn_combine(outs, lses.transpose(-1, -2), out=out.clone().requires_grad_())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -298,18 +298,23 @@ def check_out(out, shape: tuple, dtype, device):
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.device != device:
         raise ValueError(f"out must be on {device}, got {out.device}")
+    _check_not_self_overlapping(out)
+    return out
+
+
+def _check_not_self_overlapping(out: torch.Tensor) -> None:
+    """An ``out`` that a kernel writes in place: no two of its elements share memory."""
     if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
         raise ValueError(f"out must not overlap itself (an expanded tensor), got strides {out.stride()} for shape "
                          f"{tuple(out.shape)}")
-    return out
 
 
 def check_cache_leftpad(cache_leftpad, batch: int, block_table, device, cache_seqlens, capacity: int):
     """cache_leftpad: None or int32 (batch,) on the inputs' device; not with a paged cache (as flash-attn).
     Where its values are read (:func:`checks_contents`), sequence b's first key is a slot of its old keys or
     the first new one: 0 ≤ cache_leftpad[b] ≤ cache_seqlens[b] (the cache's capacity where cache_seqlens is
-    None), as flash-attn 2's tests draw it. Unchecked (a GPU tensor), the kernels clamp a value into that
-    range (``flashtile.triton.decode``)."""
+    None), as flash-attn 2's tests draw it. Unchecked (a GPU tensor), the kernels clamp a value into
+    [0, cache_seqlens[b] + new keys] (``flashtile.triton.decode``): no load leaves the cache."""
     if cache_leftpad is None:
         return None
     if block_table is not None:
@@ -318,16 +323,15 @@ def check_cache_leftpad(cache_leftpad, batch: int, block_table, device, cache_se
     if cache_leftpad.device != device:
         raise ValueError(f"cache_leftpad must be on {device}, got {cache_leftpad.device}")
     if checks_contents(cache_leftpad):
-        if isinstance(cache_seqlens, torch.Tensor):
-            ends = cache_seqlens.tolist() if checks_contents(cache_seqlens) else [capacity] * batch
+        if isinstance(cache_seqlens, torch.Tensor) and checks_contents(cache_seqlens):
+            ends = [(end, f"cache_seqlens[{b}]") for b, end in enumerate(cache_seqlens.tolist())]
+        elif isinstance(cache_seqlens, int):
+            ends = [(cache_seqlens, "cache_seqlens")] * batch
         else:
-            ends = [capacity if cache_seqlens is None else cache_seqlens] * batch
-        bad = [(b, start, end) for b, (start, end) in enumerate(zip(cache_leftpad.tolist(), ends))
-               if not 0 <= start <= end]
-        if bad:
-            b, start, end = bad[0]
-            raise ValueError(f"cache_leftpad[{b}]={start} must be in 0..cache_seqlens[{b}]={end} "
-                             f"({len(bad)} sequences out of range)")
+            ends = [(capacity, "the cache's capacity")] * batch
+        for b, (start, (end, name)) in enumerate(zip(cache_leftpad.tolist(), ends)):
+            if not 0 <= start <= end:
+                raise ValueError(f"cache_leftpad[{b}]={start} must be in 0..{end} ({name})")
     return cache_leftpad
 
 
@@ -617,17 +621,17 @@ def check_num_splits(num_splits) -> int:
 # Merging partial results
 
 
-def check_states(outs, lses) -> None:
+def check_states(outs, lses, names=("outs", "lses")) -> None:
     """outs [P, ..., seqlen, nheads, headdim] float16/bfloat16/float32 and lses [P, ..., nheads,
     seqlen], floating point (the merge weighs in float32: float64 outputs would be merged at float32
-    precision, so they are refused rather than silently rounded)."""
-    for name, t in (("outs", outs), ("lses", lses)):
+    precision, so they are refused rather than silently rounded). ``names``: the caller's for the two."""
+    for name, t in zip(names, (outs, lses)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if outs.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"outs must be float16, bfloat16 or float32, got {outs.dtype}")
+        raise TypeError(f"{names[0]} must be float16, bfloat16 or float32, got {outs.dtype}")
     if outs.dim() < 4:
         raise ValueError(f"outs must be [P, ..., seqlen, nheads, headdim], got shape {tuple(outs.shape)}")
     if outs.shape[0] == 0:
@@ -638,7 +642,7 @@ def check_states(outs, lses) -> None:
             f"lses must be [P, ..., nheads, seqlen] = {expected} for outs {tuple(outs.shape)}, got {tuple(lses.shape)}"
         )
     if outs.device != lses.device:
-        raise ValueError(f"outs and lses must be on one device, got {outs.device}, {lses.device}")
+        raise ValueError(f"{names[0]} and {names[1]} must be on one device, got {outs.device}, {lses.device}")
 
 
 def check_state_pair(out_a, lse_a, out_b, lse_b) -> None:
@@ -666,6 +670,8 @@ def check_combine(out_partial, lse_partial, out, out_dtype=None) -> None:
     if out_partial.shape[0] == 0:
         raise ValueError(f"out_partial must hold at least one split (num_splits ≥ 1), got shape "
                          f"{tuple(out_partial.shape)}")
+    # dtypes and devices, by the merge's own rule
+    check_states(out_partial, lse_partial.transpose(-1, -2), names=("out_partial", "lse_partial"))
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -675,6 +681,7 @@ def check_combine(out_partial, lse_partial, out, out_dtype=None) -> None:
             raise TypeError(f"out must be float16, bfloat16 or float32, got {out.dtype}")
         if out.device != out_partial.device:
             raise ValueError(f"out must be on out_partial's device {out_partial.device}, got {out.device}")
+        _check_not_self_overlapping(out)
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype {out_dtype} differs from out's dtype {out.dtype}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:

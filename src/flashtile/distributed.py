@@ -319,6 +319,7 @@ def ring_flash_attn_func(
         (batch, nheads, local_seqlen_q), float32, natural log, over the global keys.
     """
     _validate.check_qkv(q, k, v, heads_axis=2)
+    causal = _validate.flag("causal", causal)
     if tuple(window_size) != (-1, -1):
         raise NotImplementedError(
             f"window_size={tuple(window_size)!r} is not supported by ring attention (only (-1, -1))"
@@ -336,6 +337,6 @@ def ring_flash_attn_func(
         raise RuntimeError("ring_flash_attn_func needs torch.distributed to be initialized (init_process_group)")
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
     learnable_sink = _validate.check_learnable_sink(learnable_sink, q.shape[2], q.device)
-    out, lse = RingFlashAttnFunction.apply(q, k, v, learnable_sink, scale, bool(causal),
+    out, lse = RingFlashAttnFunction.apply(q, k, v, learnable_sink, scale, causal,
                                            _validate.deterministic(deterministic), layout, group)
     return (out, lse, None) if return_attn_probs else out

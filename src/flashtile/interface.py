@@ -451,6 +451,7 @@ def attention(
         raise ValueError(
             f"nheads of q ({q.shape[1]}) and k ({k.shape[1]}) differ; pass enable_gqa=True for GQA/MQA"
         )
+    is_causal = _validate.flag("is_causal", is_causal)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal cannot both be set (as in SDPA)")
     _validate.check_attn_mask(attn_mask, q, k)

@@ -552,7 +552,10 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor | Non
     Triton kernel, or the PyTorch formula on the CPU path and for inputs that need grad (the kernel
     has no backward). The merge runs in float32 and is rounded once, into ``out`` where given (written in
     place), else into a new tensor of ``out_dtype`` (default outs' dtype)."""
-    needs_grad = torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)
+    # autograd sees a merge only through the formula: the kernel has no backward, and an in-place write
+    # into an ``out`` that autograd tracks must be its copy_ (which refuses a leaf that needs grad)
+    needs_grad = torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad
+                                              or (out is not None and out.requires_grad))
     if needs_grad or not uses_triton(outs):
         merged, lse = reference.merge_split_states(outs, lses, out.dtype if out is not None else out_dtype)
         return (merged if out is None else out.copy_(merged)), lse
@@ -564,4 +567,5 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor | Non
         outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
         out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
     )
+    torch.autograd.graph.increment_version(out)  # written in place: a graph that saved it must see the change
     return out, lse

@@ -49,11 +49,11 @@ def merge_softmax_states(a, b):
 def merge_split_states(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None):
     """Merge P normalised partial outputs through their log-sum-exps.
 
-    outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D] in ``out_dtype``, default outs' dtype,
-    lse [..., H, S] float32), with ``L = log Σ_p exp(L_p)`` and ``O = Σ_p exp(L_p − L) · O_p``;
-    the weights and the sum are formed in float32 and rounded once, to ``out_dtype``. A part with ``L_p = −inf`` contributes nothing; if
-    every part is −inf the result is output 0 and log-sum-exp −inf. ``L_p = +inf`` (flash-attn 2's
-    mark of an empty row) is an empty part too.
+    outs [P, ..., S, H, D], lses [P, ..., H, S] → (out [..., S, H, D] in ``out_dtype``, default outs'
+    dtype, lse [..., H, S] float32), with ``L = log Σ_p exp(L_p)`` and ``O = Σ_p exp(L_p − L) · O_p``;
+    the weights and the sum are formed in float32 and rounded once, to ``out_dtype``. A part with
+    ``L_p = −inf`` contributes nothing; if every part is −inf the result is output 0 and log-sum-exp
+    −inf. ``L_p = +inf`` (flash-attn 2's mark of an empty row) is an empty part too.
     """
     lses = lses.float().masked_fill(torch.isposinf(lses), -math.inf)
     m = lses.amax(0)  # [..., H, S]
