@@ -186,6 +186,20 @@ def test_flash_attn_combine_in_fa3_layouts(backend):
             flashtile.flash_attn_combine(outs, lses.transpose(-1, -2).cpu())
 
 
+@pytest.mark.parametrize("empty_axis", [1, 2, 3, 4], ids=["batch", "seqlen", "nheads", "headdim"])
+def test_flash_attn_combine_of_empty_shapes(backend, empty_axis):
+    # a size-0 axis gives an empty result of the right shapes (and the log-sum-exps of a head dim of 0,
+    # which the partials' log-sum-exps alone decide), not a reshape that cannot infer its size
+    shape = [3, 2, 5, 2, 16]
+    shape[empty_axis] = 0
+    g = torch.Generator().manual_seed(13)
+    outs = torch.randn(*shape, generator=g).to(DEVICE)
+    lses = torch.randn(*shape[:4], generator=g).to(DEVICE)
+    out, lse = flashtile.flash_attn_combine(outs, lses)
+    assert out.shape == outs.shape[1:] and lse.shape == lses.shape[1:]
+    torch.testing.assert_close(lse, torch.logsumexp(lses, dim=0), rtol=0, atol=2e-6)
+
+
 def test_flash_attn_combine_out_is_seen_by_autograd(backend):
     # out= written in place: a graph that saved out sees the write (its version moves), and an out that is a
     # leaf needing grad is refused, as an in-place copy into it would be

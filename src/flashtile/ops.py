@@ -560,12 +560,13 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor | Non
         merged, lse = reference.merge_split_states(outs, lses, out.dtype if out is not None else out_dtype)
         return (merged if out is None else out.copy_(merged)), lse
     num_parts, seqlen, nheads, head_dim = outs.shape[0], *outs.shape[-3:]
+    lead = math.prod(outs.shape[1:-3])  # spelled out, not -1: a reshape cannot infer it when a size is 0
     if out is None:
         out = torch.empty(outs.shape[1:], dtype=out_dtype or outs.dtype, device=outs.device)
     lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=outs.device)
     launch.merge_states_into(
-        outs.reshape(num_parts, -1, seqlen, nheads, head_dim), lses.reshape(num_parts, -1, nheads, seqlen),
-        out.view(-1, seqlen, nheads, head_dim), lse.view(-1, nheads, seqlen),
+        outs.reshape(num_parts, lead, seqlen, nheads, head_dim), lses.reshape(num_parts, lead, nheads, seqlen),
+        out.view(lead, seqlen, nheads, head_dim), lse.view(lead, nheads, seqlen),
     )
     torch.autograd.graph.increment_version(out)  # written in place: a graph that saved it must see the change
     return out, lse
