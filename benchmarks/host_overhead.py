@@ -67,14 +67,14 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _disable_launches():
+def disable_launches():
     for module in (launch,):  # the one module that launches kernels
         for name, obj in list(vars(module).items()):
             if type(obj).__module__.startswith("triton.runtime") and hasattr(obj, "fn"):
                 setattr(module, name, _NoLaunch(obj))
 
 
-def _per_call_us(fn, calls: int, repeats: int, sync) -> float:
+def per_call_us(fn, calls: int, repeats: int, sync) -> float:
     for _ in range(calls // 4):  # warm-up: compiles, caches, allocator
         fn()
     sync()
@@ -227,9 +227,9 @@ def _engine_table(device: str, calls: int, repeats: int, sync) -> list[dict]:
         for setting, threads, collect in settings:
             torch.autograd.set_multithreading_enabled(threads)
             (gc.enable if collect else gc.disable)()
-            times = [_per_call_us(call, calls, repeats, sync) for _, call in cases]
+            times = [per_call_us(call, calls, repeats, sync) for _, call in cases]
             with _BodyTimer() as body:  # apart from the timed rounds: the wrapper costs a little itself
-                _per_call_us(cases[2][1], calls, 1, sync)
+                per_call_us(cases[2][1], calls, 1, sync)
             records += [dict(case=f"{name}, {setting}", flashtile_us=t) for (name, _), t in zip(cases, times)]
             records.append(dict(case=f"inside the backward body, {setting}", flashtile_us=body.per_call_us()))
             print(f"  {setting:18s} " + " | ".join(f"{t:7.1f}" for t in (*times, body.per_call_us())))
@@ -262,9 +262,9 @@ def _graph_table(calls: int, repeats: int) -> list[dict]:
     print("captured in CUDA graphs, µs per replay")
     records = []
     for name, ours, peer in cases:
-        record = dict(case=f"{name}, CUDA graph", flashtile_us=_per_call_us(_captured(ours), calls, repeats,
+        record = dict(case=f"{name}, CUDA graph", flashtile_us=per_call_us(_captured(ours), calls, repeats,
                                                                             torch.cuda.synchronize),
-                      sdpa_us=_per_call_us(_captured(peer), calls, repeats, torch.cuda.synchronize))
+                      sdpa_us=per_call_us(_captured(peer), calls, repeats, torch.cuda.synchronize))
         records.append(record)
         print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}   SDPA {record['sdpa_us']:7.1f}")
     return records
@@ -285,14 +285,14 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cpu":
-        _disable_launches()
+        disable_launches()
     records = []
     print(f"host time per call, µs (median of {args.repeats} rounds of {args.calls} calls), {device}"
           + ("" if device == "cuda" else ": Triton launches are no-ops"))
     for name, ours, peer in _cases(device):
-        record = dict(case=name, flashtile_us=_per_call_us(ours, args.calls, args.repeats, sync))
+        record = dict(case=name, flashtile_us=per_call_us(ours, args.calls, args.repeats, sync))
         if device == "cuda" and peer is not None:
-            record["sdpa_us"] = _per_call_us(peer, args.calls, args.repeats, sync)
+            record["sdpa_us"] = per_call_us(peer, args.calls, args.repeats, sync)
         records.append(record)
         peer_text = f"   SDPA {record['sdpa_us']:7.1f}" if "sdpa_us" in record else ""
         print(f"  {name:34s} flashtile {record['flashtile_us']:7.1f}{peer_text}")
@@ -309,7 +309,7 @@ def main(argv=None):
     if args.layers and device == "cuda":
         print("each layer on its own")
         for name, call in _layers(device):
-            records.append(dict(case=name, flashtile_us=_per_call_us(call, args.calls, args.repeats, sync)))
+            records.append(dict(case=name, flashtile_us=per_call_us(call, args.calls, args.repeats, sync)))
             print(f"  {name:34s} flashtile {records[-1]['flashtile_us']:7.1f}")
     if args.engine:
         records += _engine_table(device, args.calls, args.repeats, sync)

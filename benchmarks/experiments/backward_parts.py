@@ -85,14 +85,14 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cpu":
-        host_overhead._disable_launches()
+        host_overhead.disable_launches()
     for threads in (True, False):
         torch.autograd.set_multithreading_enabled(threads)
         rows = _rows(device)
         times = {name: [] for name, _ in rows}
         for _ in range(args.rounds):
             for name, call in rows:
-                times[name].append(host_overhead._per_call_us(call, args.calls, 1, sync))
+                times[name].append(host_overhead.per_call_us(call, args.calls, 1, sync))
         print(f"{device}, engine device thread {'on' if threads else 'off'}: µs per call, median (min-max) "
               f"of {args.rounds} rounds of {args.calls}")
         for name, values in times.items():
