@@ -189,8 +189,9 @@ def test_cpu_path_returns_a_contiguous_lse(monkeypatch, dtype):
 
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 96, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 80, 96, 128, 192, 256], ids=lambda d: f"d{d}")
 def test_head_dims(backend, head_dim, causal):
+    # 40, 80, 96 and 192: the backward kernels hold these head dims in two chunks (configs.bwd_head_dim_chunks)
     check_flash_attn_func(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal=causal)
 
 
@@ -343,6 +344,21 @@ def test_launcher_integer_math_matches_triton():
         assert _host.next_power_of_2(n) == triton.next_power_of_2(n), n
         for block in (1, 16, 64, 128, 176):
             assert _host.cdiv(n, block) == triton.cdiv(n, block), (n, block)
+
+
+def test_backward_head_dim_chunks_cover_the_head_dim_with_less_padding():
+    for head_dim in range(1, 257):
+        first, second = configs.bwd_head_dim_chunks(head_dim)
+        padded = configs.block_d(head_dim)
+        assert first == triton.next_power_of_2(first) and first >= 16, (head_dim, first)
+        if second == 0:
+            assert first == padded, head_dim
+            continue
+        # the first chunk is whole (its loads need no head-dim mask), the second a power of two ≥ 16 (tl.dot's
+        # least) that reaches the head dim, and the two together pad less than one chunk would
+        assert second == triton.next_power_of_2(second) and 16 <= second < first < head_dim, (head_dim, second)
+        assert head_dim <= first + second < padded, head_dim
+    assert [configs.bwd_head_dim_chunks(d) for d in (96, 192, 224)] == [(64, 32), (128, 64), (256, 0)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

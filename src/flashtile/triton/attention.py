@@ -39,9 +39,12 @@ corner (query ``i`` sees key ``j`` iff ``j ≤ i + seqlen_k − seqlen_q``), per
 sequence; a row that sees no key gets output 0 and log-sum-exp −inf. The
 log-sum-exp is (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
 Head dims 1..256 are padded inside to a power of two ≥ 16 (masked loads; the
-user never pads); V (and O, dO, dV) may have a head dim of its own (``HEAD_DIM_V``;
-MLA: 192 for Q/K, 128 for V). float32 inputs use IEEE float32 dots. Grids are (blocks, heads,
-batch): batch and heads may each reach CUDA's 65535 on those axes.
+user never pads), except in the backward's dK/dV and dQ kernels where two power-of-two chunks
+pad less (``BLOCK_D2``/``BLOCK_DV2`` > 0: 192 = 128 + 64, 96 = 64 + 32; ``configs.bwd_head_dim_chunks``):
+each product over the head dim is then two matmuls, without the padding's quarter of zero columns.
+V (and O, dO, dV) may have a head dim of its own (``HEAD_DIM_V``; MLA: 192 for Q/K, 128 for V).
+float32 inputs use IEEE float32 dots. Grids are (blocks, heads, batch): batch and heads may each
+reach CUDA's 65535 on those axes.
 
 Offsets are 32-bit unless a tensor of the call spans more than 2³¹ − 1 elements: then ``WIDE``
 widens every stride but the head dim's to 64 bits at the kernel's start (``scores.widen``), and with
@@ -97,6 +100,38 @@ def _load_rows(ptrs, m_rows, m_d, APPLY_MASK: tl.constexpr, EVEN_D: tl.constexpr
     if EVEN_D:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=m_d[None, :], other=0.0)
+
+
+@triton.jit
+def _load_tail(base, rows, m_rows, stride_s, stride_d, APPLY_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Head dims [BLOCK_D, BLOCK_D + BLOCK_D2) of ``rows``, [rows, BLOCK_D2]: the second chunk of a head dim
+    held in two (``configs.bwd_head_dim_chunks``); None when ``BLOCK_D2`` is 0 (one chunk)."""
+    tail = None
+    if BLOCK_D2 > 0:
+        o_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        tail = _load_rows(base + rows[:, None] * stride_s + o_d2[None, :] * stride_d, m_rows, o_d2 < HEAD_DIM,
+                          APPLY_MASK, BLOCK_D + BLOCK_D2 == HEAD_DIM)
+    return tail
+
+
+@triton.jit
+def _dot_over_head_dim(a, b, a2, b2, BLOCK_D2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a · bᵀ summed over a head dim held in one chunk (``a``, ``b``) or two (and ``a2``, ``b2``)."""
+    acc = tl.dot(a, tl.trans(b), input_precision=DOT_PRECISION)
+    if BLOCK_D2 > 0:
+        acc = tl.dot(a2, tl.trans(b2), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_tail(base, rows, m_rows, stride_s, stride_d, tile, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_D2: tl.constexpr):
+    """Stores the second chunk written by :func:`_load_tail`'s rule (nothing when ``BLOCK_D2`` is 0)."""
+    if BLOCK_D2 > 0:
+        o_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        tl.store(base + rows[:, None] * stride_s + o_d2[None, :] * stride_d, tile.to(base.dtype.element_ty),
+                 mask=m_rows[:, None] & (o_d2 < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -432,24 +467,31 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed, lo, hi,
+    b_dk, b_dv, b_dk2, b_dv2, b_k, b_v, b_k2, b_v2, q_base, do_base, lse_base, delta_base, bias_base, dbias_base,
+    seed, lo, hi,
     o_m, o_n, o_d, o_dv, m_n, m_d, m_dv, i_bhq, diagonal, seqlen_q, seqlen_k,
     stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of one K block over Q blocks [lo, hi) of one query head (Kᵀ-major blocks).
-    ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window)."""
+    ``APPLY_MASK`` is off for Q blocks that see the whole K block (in bounds, inside the window).
+    Head dims held in two chunks (``BLOCK_D2``/``BLOCK_DV2`` > 0) carry their second chunk in ``*2``."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + o_m
         m_m = rows < seqlen_q
         b_q = _load_rows(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd, m_m, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_M, BLOCK_D]
+                         APPLY_MASK, HEAD_DIM >= BLOCK_D)  # [BLOCK_M, BLOCK_D]
         b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_dv[None, :] * stride_dod, m_m, m_dv,
-                          APPLY_MASK, EVEN_DV)  # [BLOCK_M, BLOCK_DV]
+                          APPLY_MASK, HEAD_DIM_V >= BLOCK_DV)  # [BLOCK_M, BLOCK_DV]
+        b_q2 = _load_tail(q_base, rows, m_m, stride_qs, stride_qd, APPLY_MASK, HEAD_DIM, BLOCK_D,
+                          BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
+        b_do2 = _load_tail(do_base, rows, m_m, stride_dos, stride_dod, APPLY_MASK, HEAD_DIM_V, BLOCK_DV,
+                           BLOCK_DV2)  # [BLOCK_M, BLOCK_DV2]
         if APPLY_MASK:
             b_lse = tl.load(lse_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
             b_delta = tl.load(delta_base + rows, mask=m_m, other=0.0)  # [BLOCK_M]
@@ -458,7 +500,7 @@ def _attn_bwd_dkdv_inner(
             b_delta = tl.load(delta_base + rows)
         # rows that saw no key have lse = -inf: exp2(s - inf) = 0
         lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
-        qk_t = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        qk_t = _dot_over_head_dim(b_k, b_q, b_k2, b_q2, BLOCK_D2, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         s_t = masked_scores_log2(
             qk_t, rows[None, :], o_n[:, None], m_m[None, :], m_n[:, None], diagonal,
             bias_base + rows[None, :] * stride_bm + o_n[:, None] * stride_bn,
@@ -466,15 +508,17 @@ def _attn_bwd_dkdv_inner(
             APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
         )
         p_t = tl.math.exp2(s_t - lse2[None, :])  # Pᵀ [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
+        dp_t = _dot_over_head_dim(b_v, b_do, b_v2, b_do2, BLOCK_DV2, DOT_PRECISION)  # dPᵀ [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
             # O = (P ∘ Z) V with Z = keep / (1 − p): dV uses P ∘ Z, and dP reaches P through Z
             keep_t = dropout_keep(seed, rows[None, :], o_n[:, None], i_bhq, dropout_p)
-            b_dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(b_do.dtype), b_do, b_dv,
-                          input_precision=DOT_PRECISION)
+            pz_t = tl.where(keep_t, p_t * dropout_scale, 0.0).to(b_do.dtype)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
-            b_dv = tl.dot(p_t.to(b_do.dtype), b_do, b_dv, input_precision=DOT_PRECISION)
+            pz_t = p_t.to(b_do.dtype)
+        b_dv = tl.dot(pz_t, b_do, b_dv, input_precision=DOT_PRECISION)
+        if BLOCK_DV2 > 0:
+            b_dv2 = tl.dot(pz_t, b_do2, b_dv2, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - b_delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D), natural-log units
         if BIAS_GRAD:
             tl.store(dbias_base + rows[None, :] * seqlen_k + o_n[:, None], ds_t,
@@ -484,7 +528,9 @@ def _attn_bwd_dkdv_inner(
             t = tanh(qk_t * softcap_scale)
             ds_t = ds_t * (1.0 - t * t)
         b_dk = tl.dot(ds_t.to(b_q.dtype), b_q, b_dk, input_precision=DOT_PRECISION)
-    return b_dk, b_dv
+        if BLOCK_D2 > 0:
+            b_dk2 = tl.dot(ds_t.to(b_q.dtype), b_q2, b_dk2, input_precision=DOT_PRECISION)
+    return b_dk, b_dv, b_dk2, b_dv2
 
 
 @triton.jit
@@ -503,8 +549,8 @@ def attn_bwd_dkdv_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
@@ -532,12 +578,24 @@ def attn_bwd_dkdv_kernel(
     mask_nd = m_n[:, None] & m_d[None, :]
     mask_ndv = m_n[:, None] & m_dv[None, :]
     keys = k_start + o_n
-    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
+    k_base = K + i_b * stride_kb + i_hk * stride_kh
+    v_base = V + i_b * stride_vb + i_hk * stride_vh
+    b_k = tl.load(k_base + keys[:, None] * stride_ks + o_d[None, :] * stride_kd,
                   mask=mask_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + keys[:, None] * stride_vs + o_dv[None, :] * stride_vd,
+    b_v = tl.load(v_base + keys[:, None] * stride_vs + o_dv[None, :] * stride_vd,
                   mask=mask_ndv, other=0.0)  # [BLOCK_N, BLOCK_DV]
+    b_k2 = _load_tail(k_base, keys, m_n, stride_ks, stride_kd, True, HEAD_DIM, BLOCK_D, BLOCK_D2)  # [BLOCK_N, BLOCK_D2]
+    b_v2 = _load_tail(v_base, keys, m_n, stride_vs, stride_vd, True, HEAD_DIM_V, BLOCK_DV,
+                      BLOCK_DV2)  # [BLOCK_N, BLOCK_DV2]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # held in one chunk, a second accumulator is a placeholder that nothing updates or reads
+    b_dk2 = b_dk
+    b_dv2 = b_dv
+    if BLOCK_D2 > 0:
+        b_dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
+    if BLOCK_DV2 > 0:
+        b_dv2 = tl.zeros([BLOCK_N, BLOCK_DV2], dtype=tl.float32)
     seed, dropout_scale = _dropout_setup(Seed, dropout_p, HAS_DROPOUT)
 
     diagonal = seqlen_k - seqlen_q
@@ -559,43 +617,54 @@ def attn_bwd_dkdv_kernel(
         # the query blocks in three runs: masked (diagonal) edge, whole blocks, masked far edge
         for run in tl.static_range(3):
             run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
-            b_dk, b_dv = _attn_bwd_dkdv_inner(
-                b_dk, b_dv, b_k, b_v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, seed,
+            b_dk, b_dv, b_dk2, b_dv2 = _attn_bwd_dkdv_inner(
+                b_dk, b_dv, b_dk2, b_dv2, b_k, b_v, b_k2, b_v2, q_base, do_base, lse_base, delta_base, bias_base,
+                dbias_base, seed,
                 run_lo, run_hi, o_m, o_n, o_d, o_dv, m_n, m_d, m_dv, i_bhq, diagonal, seqlen_q, seqlen_k,
                 stride_qs, stride_qd, stride_dos, stride_dod, stride_bm, stride_bn,
                 qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
                 dropout_p, dropout_scale,
                 run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT,
-                HEAD_DIM == BLOCK_D, HEAD_DIM_V == BLOCK_DV, BLOCK_M, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, BLOCK_D2, HEAD_DIM_V, BLOCK_DV, BLOCK_DV2, BLOCK_M, DOT_PRECISION,
             )
 
-    b_dk = b_dk * sm_scale
-    tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + keys[:, None] * stride_dks + o_d[None, :] * stride_dkd,
-             b_dk.to(DK.dtype.element_ty), mask=mask_nd)
-    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + keys[:, None] * stride_dvs + o_dv[None, :] * stride_dvd,
+    dk_base = DK + i_b * stride_dkb + i_hk * stride_dkh
+    dv_base = DV + i_b * stride_dvb + i_hk * stride_dvh
+    tl.store(dk_base + keys[:, None] * stride_dks + o_d[None, :] * stride_dkd,
+             (b_dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(dv_base + keys[:, None] * stride_dvs + o_dv[None, :] * stride_dvd,
              b_dv.to(DV.dtype.element_ty), mask=mask_ndv)
+    if BLOCK_D2 > 0:
+        _store_tail(dk_base, keys, m_n, stride_dks, stride_dkd, b_dk2 * sm_scale, HEAD_DIM, BLOCK_D, BLOCK_D2)
+    _store_tail(dv_base, keys, m_n, stride_dvs, stride_dvd, b_dv2, HEAD_DIM_V, BLOCK_DV, BLOCK_DV2)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
+    b_dq, b_dq2, b_q, b_do, b_q2, b_do2, lse2, b_delta, k_base, v_base, bias_base, seed, lo, hi,
     o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_bh, diagonal, seqlen_k,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
     qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
     dropout_p, dropout_scale,
     APPLY_MASK: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DV2: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`."""
+    """dQ of one Q block over K blocks [lo, hi); ``APPLY_MASK`` as in :func:`_attn_fwd_inner`; two-chunk
+    head dims as in :func:`_attn_bwd_dkdv_inner`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + o_n
         m_n = cols < seqlen_k
         b_k = _load_rows(k_base + cols[:, None] * stride_ks + o_d[None, :] * stride_kd, m_n, m_d,
-                         APPLY_MASK, EVEN_D)  # [BLOCK_N, BLOCK_D]
+                         APPLY_MASK, HEAD_DIM >= BLOCK_D)  # [BLOCK_N, BLOCK_D]
         b_v = _load_rows(v_base + cols[:, None] * stride_vs + o_dv[None, :] * stride_vd, m_n, m_dv,
-                         APPLY_MASK, EVEN_DV)  # [BLOCK_N, BLOCK_DV]
-        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+                         APPLY_MASK, HEAD_DIM_V >= BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
+        b_k2 = _load_tail(k_base, cols, m_n, stride_ks, stride_kd, APPLY_MASK, HEAD_DIM, BLOCK_D,
+                          BLOCK_D2)  # [BLOCK_N, BLOCK_D2]
+        b_v2 = _load_tail(v_base, cols, m_n, stride_vs, stride_vd, APPLY_MASK, HEAD_DIM_V, BLOCK_DV,
+                          BLOCK_DV2)  # [BLOCK_N, BLOCK_DV2]
+        qk = _dot_over_head_dim(b_q, b_k, b_q2, b_k2, BLOCK_D2, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         s = masked_scores_log2(
             qk, o_m[:, None], cols[None, :], m_m[:, None], m_n[None, :], diagonal,
             bias_base + o_m[:, None] * stride_bm + cols[None, :] * stride_bn,
@@ -603,7 +672,7 @@ def _attn_bwd_dq_inner(
             APPLY_MASK, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS,
         )
         p = tl.math.exp2(s - lse2[:, None])  # P_ij = exp(S_ij − L_i)
-        dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        dp = _dot_over_head_dim(b_do, b_v, b_do2, b_v2, BLOCK_DV2, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, o_m[:, None], cols[None, :], i_bh, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
@@ -612,7 +681,9 @@ def _attn_bwd_dq_inner(
             t = tanh(qk * softcap_scale)
             ds = ds * (1.0 - t * t)
         b_dq = tl.dot(ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PRECISION)
-    return b_dq
+        if BLOCK_D2 > 0:
+            b_dq2 = tl.dot(ds.to(b_k.dtype), b_k2, b_dq2, input_precision=DOT_PRECISION)
+    return b_dq, b_dq2
 
 
 @triton.jit
@@ -630,7 +701,8 @@ def attn_bwd_dq_kernel(
     qk_scale, softcap_scale, softcap_log2, window_left, window_right, dropout_p,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
@@ -658,10 +730,15 @@ def attn_bwd_dq_kernel(
     m_dv = o_dv < HEAD_DIM_V
     mask_md = m_m[:, None] & m_d[None, :]
     rows = q_start + o_m
-    b_q = tl.load(Q + i_b * stride_qb + i_hq * stride_qh + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
+    q_base = Q + i_b * stride_qb + i_hq * stride_qh
+    do_base = DOut + i_b * stride_dob + i_hq * stride_doh
+    b_q = tl.load(q_base + rows[:, None] * stride_qs + o_d[None, :] * stride_qd,
                   mask=mask_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_hq * stride_doh + rows[:, None] * stride_dos + o_dv[None, :] * stride_dod,
+    b_do = tl.load(do_base + rows[:, None] * stride_dos + o_dv[None, :] * stride_dod,
                    mask=m_m[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_M, BLOCK_DV]
+    b_q2 = _load_tail(q_base, rows, m_m, stride_qs, stride_qd, True, HEAD_DIM, BLOCK_D, BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
+    b_do2 = _load_tail(do_base, rows, m_m, stride_dos, stride_dod, True, HEAD_DIM_V, BLOCK_DV,
+                       BLOCK_DV2)  # [BLOCK_M, BLOCK_DV2]
     b_lse = tl.load(Lse + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     b_delta = tl.load(Delta + i_b * stride_lb + i_hq * stride_lh + rows, mask=m_m, other=0.0)  # [BLOCK_M]
     # rows that saw no key have lse = -inf: exp2(s - inf) = 0; rows past the end load lse 0 and dO 0
@@ -678,19 +755,24 @@ def attn_bwd_dq_kernel(
                                         window_left, window_right, MASK_LEFT, MASK_RIGHT, BLOCK_N)
 
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    b_dq2 = b_dq  # a placeholder, as the dK/dV kernel's, unless two chunks
+    if BLOCK_D2 > 0:
+        b_dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
     for run in tl.static_range(3):
         run_lo, run_hi = run_bounds(run, lo, full_lo, full_hi, hi)
-        b_dq = _attn_bwd_dq_inner(
-            b_dq, b_q, b_do, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
+        b_dq, b_dq2 = _attn_bwd_dq_inner(
+            b_dq, b_dq2, b_q, b_do, b_q2, b_do2, lse2, b_delta, k_base, v_base, bias_base, seed, run_lo, run_hi,
             o_m, o_n, o_d, o_dv, m_m, m_d, m_dv, i_bh, diagonal, seqlen_k,
             stride_ks, stride_kd, stride_vs, stride_vd, stride_bm, stride_bn,
             qk_scale, softcap_scale, softcap_log2, alibi_slope_log2, window_left, window_right,
             dropout_p, dropout_scale,
-            run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM == BLOCK_D,
-            HEAD_DIM_V == BLOCK_DV, BLOCK_N, DOT_PRECISION,
+            run != 1, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+            BLOCK_D2, HEAD_DIM_V, BLOCK_DV, BLOCK_DV2, BLOCK_N, DOT_PRECISION,
         )
 
-    b_dq = b_dq * sm_scale
-    tl.store(DQ + i_b * stride_dqb + i_hq * stride_dqh + rows[:, None] * stride_dqs + o_d[None, :] * stride_dqd,
-             b_dq.to(DQ.dtype.element_ty), mask=mask_md)
+    dq_base = DQ + i_b * stride_dqb + i_hq * stride_dqh
+    tl.store(dq_base + rows[:, None] * stride_dqs + o_d[None, :] * stride_dqd,
+             (b_dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_md)
+    if BLOCK_D2 > 0:
+        _store_tail(dq_base, rows, m_m, stride_dqs, stride_dqd, b_dq2 * sm_scale, HEAD_DIM, BLOCK_D, BLOCK_D2)
 

@@ -62,6 +62,19 @@ def block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def bwd_head_dim_chunks(head_dim: int) -> tuple[int, int]:
+    """(first chunk, second chunk or 0) in which the backward kernels hold a head dim: a power of two and a
+    smaller one (192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16) where the two cover fewer columns than
+    :func:`block_d`'s padding, whose zero columns every matmul would multiply (a quarter of the work at 192
+    and 96); one chunk, padded as :func:`block_d`, elsewhere (powers of two, and 224 = 128 + 128)."""
+    padded = block_d(head_dim)
+    first = padded // 2
+    if first < 32 or head_dim <= first:
+        return padded, 0
+    second = max(16, next_power_of_2(head_dim - first))
+    return (first, second) if first + second < padded else (padded, 0)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs get exact float32 products, as torch.matmul gives them by default.
     return "ieee" if dtype == torch.float32 else "tf32"
