@@ -22,7 +22,7 @@ import torch
 import triton
 
 from flashtile._options import AttentionOptions, AttentionTensors
-from flashtile.triton import configs, launch
+from flashtile.triton import configs, launch, plans
 from flashtile.cli.bench import environment
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates by head-dim class: tiles wider than 128
@@ -85,6 +85,9 @@ def _launch(mode, patch, q, k, v, do, out, lse, options):
     """A function running one launcher with its config table patched to one candidate."""
     name, cfg = patch
     grads = [torch.empty_like(t) for t in (q, k, v)]
+    # the launchers replay the launch plan recorded at a call key's first call, without asking the config
+    # tables again: without this every candidate would time the first one's kernels
+    plans.clear()
 
     def run():
         default = getattr(configs, name)
