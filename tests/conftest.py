@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from helpers import BACKENDS, DEVICE  # noqa: E402
 
+from flashtile import cpu  # noqa: E402
 from flashtile.triton import configs, plans  # noqa: E402
 
 
@@ -30,6 +31,17 @@ def no_plans_from_other_tests():
     plans.clear()
     yield
     plans.clear()
+
+
+@pytest.fixture(params=[True, False], ids=["16-bit-cpu", "no-16-bit-cpu"])
+def cpu_16bit_arithmetic(request, monkeypatch):
+    """The CPU path as on a CPU with (True) and without (False) the 16-bit arithmetic PyTorch's CPU attention
+    uses (``flashtile.cpu.computes_16bit_natively``: without it 16-bit backwards run in float32), whatever this
+    machine has. The CPU path keeps its decisions per call key, hence the cache cleared on both sides."""
+    monkeypatch.setattr(cpu, "computes_16bit_natively", lambda dtype: request.param)
+    cpu._bias_free_layout.cache_clear()
+    yield request.param
+    cpu._bias_free_layout.cache_clear()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from helpers import (DEVICE, DTYPES, assert_accurate, check_flash_attn_func, mak
                      with_descriptor_loads)
 
 import flashtile
-from flashtile import ops
+from flashtile import cpu, ops
 from flashtile._options import AttentionTensors
 from flashtile.triton import _host, configs, launch
 
@@ -55,10 +55,11 @@ def test_16_bit_calls_that_do_not_return_the_lse(backend, dtype, heads, causal):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
 @pytest.mark.parametrize("case", ["full", "causal", "qkvpacked", "fp32-lse", "gqa-full", "gqa-causal"])
-def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
+def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, cpu_16bit_arithmetic, case):
     # where PyTorch's fused CPU kernel computes a call both ways in the inputs' dtype, its own autograd node
     # takes the place of flashtile's Python Function (ops.differentiable): the same kernels on the same
-    # tensors, so the same bits. Not for GQA, whose folded or repeated tensors PyTorch's node would keep
+    # tensors, so the same bits. Not for GQA, whose folded or repeated tensors PyTorch's node would keep, nor
+    # for 16-bit calls on a CPU without 16-bit arithmetic, whose backward runs in float32
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     dtype = torch.float32 if case == "fp32-lse" else torch.bfloat16
     gqa = case.startswith("gqa")
@@ -75,7 +76,8 @@ def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
         return out, torch.autograd.grad(out, (q, k, v), do)
 
     out, grads = run()
-    assert (type(out.grad_fn).__name__ == "FlashAttnFunctionBackward") == gqa
+    float32_backward = dtype != torch.float32 and not cpu_16bit_arithmetic
+    assert (type(out.grad_fn).__name__ == "FlashAttnFunctionBackward") == (gqa or float32_backward)
     monkeypatch.setattr(flashtile.autograd, "differentiable", lambda *arguments: False)
     function_out, function_grads = run()
     assert type(function_out.grad_fn).__name__ == "FlashAttnFunctionBackward"
@@ -85,7 +87,28 @@ def test_cpu_path_leaves_gradients_to_pytorchs_autograd(monkeypatch, case):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
-def test_cpu_gradients_route_does_not_depend_on_modes(monkeypatch):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cpu_16bit_backward_of_long_sequences(monkeypatch, cpu_16bit_arithmetic, dtype, causal):
+    # past cpu.SHORT_BACKWARD_SEQLEN the backward runs in the inputs' dtype where the CPU has the arithmetic,
+    # in float32 where it does not (6-10x faster there): both within flash-attn's rule
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = []
+    kernel = cpu._BACKWARD  # flashtile's own call of PyTorch's backward kernel (its Function's route)
+    monkeypatch.setattr(cpu, "_BACKWARD", lambda *args, **kwargs: calls.append(args[0].dtype) or kernel(*args, **kwargs))
+    q, k, v, do = make_inputs(1, 150, 150, 2, 2, 64, dtype, seed=14)
+    out = flashtile.flash_attn_func(q, k, v, causal=causal)  # no log-sum-exp asked: 16-bit where it pays
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    # 16-bit both ways: PyTorch's own autograd node runs the kernel; else flashtile's Function, in float32
+    assert calls == ([] if cpu_16bit_arithmetic else [torch.float32]), calls
+    ref64, ref_lowp = references(q, k, v, do, causal=causal)
+    for name, got, r64, rlow in zip(("dq", "dk", "dv"), grads, ref64[2:], ref_lowp[2:]):
+        assert got.dtype == dtype, name
+        assert_accurate(name, got, r64, rlow, factor=3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path")
+def test_cpu_gradients_route_does_not_depend_on_modes(monkeypatch, cpu_16bit_arithmetic):
     # a non-reentrant checkpoint recomputes the forward outside the mode (or profiler) that the first
     # forward ran under and compares what the two saved: the route to PyTorch's autograd must not change
     monkeypatch.setenv("TRITON_INTERPRET", "0")

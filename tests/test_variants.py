@@ -216,7 +216,7 @@ def test_cpu_gqa_padding_mask_reaches_the_kernel_unrepeated(monkeypatch):
     ("dropout", False), ("sink", False), ("padding-bf16-grad", False), ("long-bf16-grad", True),
     ("short-bf16-grad", False),
 ])
-def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, case, is_sdpas):
+def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, cpu_16bit_arithmetic, case, is_sdpas):
     # flashtile.attention on the CPU path hands a call to PyTorch's SDPA where SDPA computes it as flashtile
     # does (cpu.sdpa_attention): a padded decoding step costs SDPA's time. Bottom-right causal with one
     # query is SDPA's full attention; the other cases keep flashtile's own path. Either way the result is
@@ -229,7 +229,8 @@ def test_cpu_attention_is_sdpas_own_call_where_that_computes_it(monkeypatch, cas
     seqlen_q = {"causal-q1": 1, "causal-q3-k40": 3, "causal-square": 40}.get(case, 3)
     nheads_k = 2 if "gqa" in case else 8
     # 16-bit calls that want gradients stay SDPA's only where flashtile's backward runs in 16 bits too: no
-    # mask, sequences longer than cpu.SHORT_BACKWARD_SEQLEN
+    # mask, sequences longer than cpu.SHORT_BACKWARD_SEQLEN, a CPU with 16-bit arithmetic
+    is_sdpas = is_sdpas and (cpu_16bit_arithmetic or case != "long-bf16-grad")
     seqlen_k = 200 if case.startswith("long") else 40
     seqlen_q = 200 if case.startswith("long") else seqlen_q
     dtype = torch.bfloat16 if "bf16" in case else torch.float32

@@ -22,7 +22,8 @@ where flashtile keeps them within 1e-5. A call that does not return it (``option
 False: the default of the public functions) runs PyTorch's 16-bit kernel as SDPA does, forward and
 backward, consistently with its own log-sum-exp: its outputs and gradients meet flash-attn's rule
 (tests/test_flash_attn.py), at 16-bit speed (benchmarks/NOTES.md, "The CPU path"); the backward of
-short sequences runs in float32, which PyTorch computes faster there (:data:`SHORT_BACKWARD_SEQLEN`); a call
+short sequences, and every backward on a CPU without 16-bit arithmetic, runs in float32, which PyTorch
+computes faster there (:data:`SHORT_BACKWARD_SEQLEN`, :func:`computes_16bit_natively`); a call
 that runs both ways in the inputs' own dtype takes its gradients from PyTorch's autograd of the kernel
 (:func:`differentiable_applies`). GQA/MQA run
 without K/V copies where the mask allows (:class:`_Layout`).
@@ -133,15 +134,31 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask,
 SHORT_BACKWARD_SEQLEN = 128
 
 
+@functools.cache
+def computes_16bit_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU has the instructions with which PyTorch's CPU attention computes ``dtype`` (bfloat16:
+    AVX512-BF16 or AMX; float16: AMX-FP16). Without them its 16-bit backward converts block by block and runs
+    6-10x slower than the float32 one with the conversions, at every seqlen (an AVX2 CPU, torch 2.13:
+    benchmarks/NOTES.md, twenty-third session); the 16-bit forward stays the faster there."""
+    def has(name: str) -> bool:  # torch.cpu's capability queries (private, so absent means "no")
+        query = getattr(torch.cpu, name, None)
+        return bool(query()) if query is not None else False
+    if dtype == torch.bfloat16:
+        return has("_is_avx512_bf16_supported") or has("_is_amx_tile_supported")
+    return has("_is_amx_fp16_supported")
+
+
 def _compute_dtype(dtype: torch.dtype, q_shape, k_shape, options: AttentionOptions, bias,
                    backward: bool) -> torch.dtype:
     """The dtype PyTorch's kernel runs in, for inputs of ``dtype`` and shapes ``q_shape``, ``k_shape``:
     their own 16-bit type where the caller does not read the log-sum-exp (and no bias, which the kernel
-    would want in that type too), except a backward over short sequences (:data:`SHORT_BACKWARD_SEQLEN`);
-    else float32. A float32 backward of a 16-bit forward rebuilds the same P: both kernels form the
-    scores in float32 from the same 16-bit values."""
+    would want in that type too), except a backward over short sequences (:data:`SHORT_BACKWARD_SEQLEN`)
+    or on a CPU without 16-bit arithmetic (:func:`computes_16bit_natively`); else float32. A float32
+    backward of a 16-bit forward rebuilds the same P: both kernels form the scores in float32 from the
+    same 16-bit values."""
     native = not options.returns_lse and bias is None and dtype in (torch.float16, torch.bfloat16)
-    if native and backward and max(q_shape[1], k_shape[1]) <= SHORT_BACKWARD_SEQLEN:
+    if native and backward and (max(q_shape[1], k_shape[1]) <= SHORT_BACKWARD_SEQLEN
+                                or not computes_16bit_natively(dtype)):
         return torch.float32
     return dtype if native else torch.float32
 
