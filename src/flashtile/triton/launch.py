@@ -387,12 +387,13 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
         seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=padded_v,
         BLOCK_M=64, WIDE=wide,
     )
+    block_d, block_d2 = configs.bwd_head_dim_chunks(head_dim)
+    block_dv, block_dv2 = configs.bwd_head_dim_chunks(head_dim_v)
     shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
                   **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
                   **_token_strides("do", dout), **_lse_strides(lse),
-                  sm_scale=options.softmax_scale, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, WIDE=wide,
-                  **dict(zip(("BLOCK_D", "BLOCK_D2"), configs.bwd_head_dim_chunks(head_dim))),
-                  **dict(zip(("BLOCK_DV", "BLOCK_DV2"), configs.bwd_head_dim_chunks(head_dim_v))))
+                  sm_scale=options.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_D2=block_d2,
+                  HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_DV2=block_dv2, WIDE=wide)
     plans.launch(
         plan, attn_bwd_dkdv_kernel, (cdiv(seqlen_k, dkdv_cfg["BLOCK_N"]), nheads_k, batch),
         DK=dk, DV=dv, DBias=q if dbias is None else dbias, **_token_strides("dk", dk),
