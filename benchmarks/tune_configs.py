@@ -70,7 +70,8 @@ def _sweeps(head_dim, causal, seqlen, defaults_only):
     size = 128 if padded <= 128 else 256
     tma = seqlen >= configs.TMA_MIN_SEQLEN  # the standard shapes are unpacked, aligned, Nq = Nk
     fwd = tuple(configs.fwd_config(padded, torch.bfloat16, causal, tma=tma).values())
-    dkdv, dq = (tuple(c.values()) for c in configs.bwd_configs(padded, torch.bfloat16))
+    two_chunks = configs.bwd_head_dim_chunks(head_dim)[1] > 0
+    dkdv, dq = (tuple(c.values()) for c in configs.bwd_configs(padded, torch.bfloat16, two_chunks))
     plans = (
         ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("fwd_config", _config(c))),
         ("dkdv", dkdv, DKDV_CANDIDATES[size], lambda c: ("bwd_configs", (_config(c), _config(dq)))),

@@ -37,7 +37,8 @@ CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_di
          for mask in ("full", "causal")] + ["fwd_sink-d64-causal", "fwd_sink-d128-causal", "fwd_persistent-d64-full",
                                             "fwd_persistent-d128-full", "fwd_persistent-d64-causal",
                                             "fwd_persistent-d128-causal", "bwd_preprocess-d64-full",
-                                            "bwd_preprocess-d128-full"]
+                                            "bwd_preprocess-d128-full", "fwd-d192-full", "fwd-d192-causal",
+                                            "fwd-d256-full", "fwd-d256-causal"]
 
 
 class _Sm90Target:
@@ -79,13 +80,14 @@ def _compile(case: str):
     accum = torch.empty(2, 1024, 4, head_dim)
     descriptor = sm90_fwd.descriptor
     if kernel in ("fwd", "fwd_sink", "fwd_persistent"):
+        width, block_n = sm90_fwd.tile_head_dim(head_dim), sm90_fwd.keys_per_block(head_dim)
         return sm90_fwd._attn_fwd_sm90_kernel.warmup(
-            q_desc=descriptor(q, sm90_fwd.ROWS), k_desc=descriptor(q, sm90_fwd.BLOCK_N),
-            v_desc=descriptor(q, sm90_fwd.BLOCK_N), o_desc=descriptor(q, sm90_fwd.ROWS), Lse=stats,
+            q_desc=descriptor(q, sm90_fwd.ROWS, width), k_desc=descriptor(q, block_n, width),
+            v_desc=descriptor(q, block_n, width), o_desc=descriptor(q, sm90_fwd.ROWS, width), Lse=stats,
             stride_lb=stats.stride(0), stride_lh=stats.stride(1), Sinks=torch.empty(4), batch=2, nheads_q=4, group_size=1,
             seqlen_q=1000, seqlen_k=1000, qk_scale=0.1, CAUSAL=causal,
             NUM_CONSUMERS=sm90_fwd.consumers(head_dim, kernel == "fwd_persistent"),
-            ROWS=sm90_fwd.ROWS, BLOCK_N=sm90_fwd.BLOCK_N, HEAD_DIM=head_dim, NUM_STAGES=sm90_fwd.NUM_STAGES,
+            ROWS=sm90_fwd.ROWS, BLOCK_N=block_n, HEAD_DIM=width, NUM_STAGES=sm90_fwd.NUM_STAGES,
             HAS_SINK=kernel == "fwd_sink", PERSISTENT=kernel == "fwd_persistent", num_warps=4, grid=(1, ),
         )
     if kernel == "bwd_preprocess":

@@ -54,11 +54,22 @@ def gluon_backward_calls(monkeypatch):
 SEQLENS = [(1, 1), (1, 300), (17, 113), (113, 17), (203, 203), (300, 1000)]
 
 
+# One query against one key at head dims 192 and 256: the exact dQ is 0 (P = 1, so dS = P ∘ (dP − D) = 0), and the
+# Triton backward that these head dims take (no fused backward there) gives 1.6-2.5e-6 on an H100 (round 24), past
+# the rule's floor of 8 float32 ulps (9.5e-7): dP is a tensor-core sum of 192-256 products, D = rowsum(dO ∘ O) a
+# float32 one, and their difference is their rounding. The forward's output is V exactly there (it passes a bound far
+# below a 16-bit ulp) and its LSE passes, so the backward receives what the Triton forward would give it. Known
+# failure, kept strict: it must start passing if the backward's two sums come to agree (benchmarks/NOTES.md).
+ONE_KEY_DQ = pytest.mark.xfail(reason="one key: the Triton backward's dP − D rounding at head dims 192/256",
+                               strict=True)
+FORWARD_CASES = [pytest.param(head_dim, seqlens, marks=ONE_KEY_DQ if head_dim > 128 and seqlens == (1, 1) else ())
+                 for head_dim in (64, 128, 192, 256) for seqlens in SEQLENS]
+
+
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", SEQLENS,
-                         ids=lambda s: f"q{s[0]}-k{s[1]}")
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim, seqlens", FORWARD_CASES,
+                         ids=[f"d{p.values[0]}-q{p.values[1][0]}-k{p.values[1][1]}" for p in FORWARD_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
     check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11), causal=causal)
@@ -152,8 +163,9 @@ def test_gluon_forward_with_sink(gluon_calls, gluon_backward_calls, head_dim, se
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa-6:2", "mqa-4:1"])
-def test_gluon_forward_gqa(gluon_calls, heads, causal):
-    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, 128, torch.bfloat16, seed=12), causal=causal)
+@pytest.mark.parametrize("head_dim", [128, 192], ids=lambda d: f"d{d}")
+def test_gluon_forward_gqa(gluon_calls, head_dim, heads, causal):
+    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, head_dim, torch.bfloat16, seed=12), causal=causal)
     assert gluon_calls
 
 
@@ -176,7 +188,7 @@ def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_di
     # a persistent grid of 3 CTAs, causal ones included: each walks tens of tiles of every length (causal
     # q1000-k300: tiles that see no key between ones that do), its K/V ring, Q and O buffers and barriers'
     # phases running on across them; the backward takes the forward's LSE
-    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k: True)
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k, head_dim: True)
     monkeypatch.setattr(sm90_fwd, "programs", lambda tiles, device: min(tiles, 3))
     q, k, v, do = make_inputs(3, *seqlens, 16, 4, head_dim, torch.bfloat16, seed=16)
     learnable_sink = torch.linspace(-4.0, 4.0, 16, device=DEVICE).requires_grad_() if sink else None
@@ -199,7 +211,7 @@ def test_gluon_forward_runs_many_tiles_per_cta(monkeypatch, gluon_calls, head_di
 def test_gluon_forward_one_tile_per_cta(monkeypatch, gluon_calls, head_dim, seqlens, causal):
     # the grid of long sequences (a CTA per tile; three consumers at head dim 64) on short ones, which
     # otherwise run the persistent grid with two
-    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k: False)
+    monkeypatch.setattr(sm90_fwd, "persistent", lambda seqlen_k, head_dim: False)
     check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, torch.bfloat16, seed=17), causal=causal)
     assert gluon_calls
 

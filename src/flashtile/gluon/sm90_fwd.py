@@ -39,8 +39,8 @@ Conventions are those of ``flashtile.triton.attention``: (batch, seqlen, nheads,
 log-sum-exp in natural log, float32, and a row that sees no key gets output 0 and LSE −inf.
 
 Limits (``flashtile.triton.launch.attention_forward`` sends everything else to the Triton kernel, which stays the
-portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64 and
-128; full or causal attention (with or without a learnable sink) without bias, ALiBi, softcap,
+portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64,
+128, 192 and 256 (192 in 256-wide tiles, ``tile_head_dim``); full or causal attention (with or without a learnable sink) without bias, ALiBi, softcap,
 window, dropout or packed batches; a
 positive softmax scale (masking sets raw scores to −inf before the scale multiplies them, and the
 running max is kept over raw scores: with a scale ≤ 0 masked entries would give NaN).
@@ -69,10 +69,13 @@ from ..triton._host import cuda_properties
 # Consumer warpgroups per CTA of a tile each, by head dim; each takes 64 query rows (H200 sweeps, NOTES.md
 # v0.5: three at head dim 64 beat two by 5-11% from seqlen 2048; at 128 a third would spill, since the
 # setmaxnreg budget drops from 240 to 160 registers). The persistent grid runs two (``consumers``). K/V
-# blocks of 128 keys in two buffers (three, or blocks of 64, measured no faster).
-CONSUMERS = {64: 3, 128: 2}
-ROWS, BLOCK_N, NUM_STAGES = 64, 128, 2
-# The longest key range a persistent grid runs (see ``persistent``). H100, kernels in CUDA graphs, bf16, full
+# blocks of 128 keys in two buffers (three, or blocks of 64, measured no faster). Head dims 192 and 256 run
+# in 256-wide tiles (``tile_head_dim``) with blocks of 64 keys: two buffers of 128 such keys, beside the two
+# consumers' Q, would need 240 KiB of shared memory, and with 64 the tile uses 197 KiB (ptxas: no spills).
+CONSUMERS = {64: 3, 128: 2, 256: 2}
+ROWS, NUM_STAGES = 64, 2
+# The longest key range a persistent grid runs (see ``persistent``); at head dims over 128 the grid is never
+# persistent (a persistent CTA's O buffer beside the 256-wide tiles would need 257 KiB of shared memory). H100, kernels in CUDA graphs, bf16, full
 # attention at 16384 tokens, the persistent grid against a CTA per tile of the same kernel, two runs:
 # head dim 128 1.10-1.11x at N = 512, 1.04-1.05x at 1024, 1.00-1.02x at 2048, 0.97-1.01x at 4096,
 # 0.97-0.99x at 8192, 0.86-0.98x at 16384; head dim 64 1.08x, 1.03-1.04x, 1.00x, then 0.92-0.99x.
@@ -402,9 +405,11 @@ def _box_layout(box: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayou
     return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype])
 
 
-def descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, head_dim] boxes."""
-    box = (1, rows, 1, t.shape[-1])
+def descriptor(t: torch.Tensor, rows: int, width: int | None = None) -> TensorDescriptor:
+    """A descriptor over [batch, seqlen, nheads, head_dim] that moves [1, rows, 1, width] boxes (``width``: the
+    head dim by default; wider, the copy engine fills the columns past the head dim with zeros on loads and
+    clips them on stores)."""
+    box = (1, rows, 1, width or t.shape[-1])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), _box_layout(box, t.dtype))
 
 
@@ -416,8 +421,9 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
     ``qk_scale = softmax_scale · log2 e``; ``learnable_sink`` float32 [Hq] or None."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    walks = persistent(seqlen_k)
+    walks = persistent(seqlen_k, head_dim)
     num_consumers = consumers(head_dim, walks)
+    width, block_n = tile_head_dim(head_dim), keys_per_block(head_dim)
     m_blocks = -(-seqlen_q // (num_consumers * ROWS))  # ceil division on Python ints
     if walks:  # units of one tile, or of two under causal masking (_units_per_head)
         grid = programs((m_blocks + 1) // 2 * nheads_q * batch if causal else m_blocks * nheads_q * batch, q.device)
@@ -425,22 +431,35 @@ def record_forward(plan: plans.LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: 
         grid = m_blocks * nheads_q * batch
     plans.launch(
         plan, _attn_fwd_sm90_kernel, (grid, ),
-        q_desc=descriptor(q, ROWS), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
-        o_desc=descriptor(out, ROWS), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        q_desc=descriptor(q, ROWS, width), k_desc=descriptor(k, block_n, width), v_desc=descriptor(v, block_n, width),
+        o_desc=descriptor(out, ROWS, width), Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         Sinks=lse if learnable_sink is None else learnable_sink, batch=batch, nheads_q=nheads_q,
         group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=qk_scale,
-        CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+        CAUSAL=causal, NUM_CONSUMERS=num_consumers, ROWS=ROWS, BLOCK_N=block_n, HEAD_DIM=width,
         NUM_STAGES=NUM_STAGES, HAS_SINK=learnable_sink is not None, PERSISTENT=walks, num_warps=4,
     )
 
 
-def persistent(seqlen_k: int) -> bool:
-    """Whether the grid is persistent: over at most ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key
+def tile_head_dim(head_dim: int) -> int:
+    """The head dim of the kernel's tiles: the head dim itself (64, 128, 256), or 256 for 192, whose tiles Gluon
+    cannot shape (a shared-memory tile's dims are powers of two): the copy engine fills the 64 columns past the
+    head dim with zeros, which leave S unchanged and give O columns that the store clips."""
+    return 256 if head_dim > 128 else head_dim
+
+
+def keys_per_block(head_dim: int) -> int:
+    """BLOCK_N: 128 keys, or 64 in 256-wide tiles (shared memory; see ``CONSUMERS``)."""
+    return 128 if head_dim <= 128 else 64
+
+
+def persistent(seqlen_k: int, head_dim: int) -> bool:
+    """Whether the grid is persistent: at head dims up to 128 (see ``PERSISTENT_MAX_KEYS``) over at most
+    ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key
     blocks left its Q load and O store exposed; longer tiles gained nothing (benchmarks/NOTES.md,
     fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
     stride over single tiles left some CTAs twice the work of others; pairs gained 3-10% at head dim 128
     (fifteenth session) and, with two consumers, 7-19% over the Triton forward at 64 (sixteenth)."""
-    return seqlen_k <= PERSISTENT_MAX_KEYS
+    return head_dim <= 128 and seqlen_k <= PERSISTENT_MAX_KEYS
 
 
 def consumers(head_dim: int, persistent_grid: bool) -> int:
@@ -451,7 +470,7 @@ def consumers(head_dim: int, persistent_grid: bool) -> int:
     1024 / 2048 (benchmarks/NOTES.md, sixteenth session): 0.97 / 0.99 / 1.02 with two on the persistent
     grid against 0.79 / 0.87 / 1.02 with three per tile; causal 0.82 / 0.93 / 0.97 against the Triton
     forward's 0.77 / 0.80 / 0.82."""
-    return 2 if persistent_grid else CONSUMERS[head_dim]
+    return 2 if persistent_grid else CONSUMERS[tile_head_dim(head_dim)]
 
 
 def programs(tiles: int, device: torch.device) -> int:

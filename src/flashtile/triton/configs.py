@@ -18,10 +18,13 @@ TMA_MIN_SEQLEN = 4096
 # (``sm90_fwd.persistent``: over at most 2048 keys). At 128 everywhere (1.1-1.4x, v0.5). At 64 on the
 # persistent grid from 512, the shortest measured (two consumers: 1.15-1.18x at N = 512-1024, causal
 # 1.07-1.19x at 512-2048; below 512 neither the kernels nor the host time per call were compared); on a
-# CTA per tile from 2048 (v0.5), causal from 4096 (1.07x there: NOTES.md, sixteenth session). The tests
-# set it to {} to run the Triton forward on an sm_90 GPU.
+# CTA per tile from 2048 (v0.5), causal from 4096 (1.07x there: NOTES.md, sixteenth session). At 192 and 256
+# (a CTA per tile: those grids are never persistent) everywhere: 1.12-1.85x the Triton forward at N = 1024-16384,
+# full and causal (H100, round 24; NOTES.md, twenty-fourth session). The tests set it to {} to run the Triton
+# forward on an sm_90 GPU.
 GLUON_MIN_SEQLEN = {(128, False, True): 1, (128, True, True): 1, (128, False, False): 1, (128, True, False): 1,
-                    (64, False, True): 512, (64, True, True): 512, (64, False, False): 2048, (64, True, False): 4096}
+                    (64, False, True): 512, (64, True, True): 512, (64, False, False): 2048, (64, True, False): 4096,
+                    (192, False, False): 1, (192, True, False): 1, (256, False, False): 1, (256, True, False): 1}
 # Packed queries against a paged cache: from this many queries per sequence on average on, the forward
 # kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
 # than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). H100,
@@ -48,6 +51,12 @@ _BWD_16BIT = {
     128: ((64, 64, 4, 2), (64, 64, 4, 2)),
     256: ((32, 32, 4, 2), (64, 32, 4, 1)),
 }
+# Head dims held in two chunks of 128 + up to 64 (192, 160: ``bwd_head_dim_chunks``) take tiles of their own: the
+# 256-wide class's were chosen before the chunks, and the corrected tuner's sweep found narrower dK/dV blocks
+# and a second dQ stage faster (H100, bf16, seqlen 4096, round 24: the whole backward at 192 with the dK/dV
+# (16, 64, 4, 2) 5.13 ms against 6.86, causal 3.03 against 3.77; with the dQ (64, 32, 4, 2) 6.27 against 6.78,
+# causal 3.35 against 3.67, each swept with the other kernel at the class's default).
+_BWD_16BIT_TWO_CHUNKS = {256: ((16, 64, 4, 2), (64, 32, 4, 2))}
 # float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
 _FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
 _BWD_32BIT = {
@@ -101,10 +110,15 @@ def fwd_config(padded_head_dim: int, dtype: torch.dtype, causal: bool, has_bias:
     return _config(block_m, block_n, num_warps, num_stages)
 
 
-def bwd_configs(padded_head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(dK/dV kernel config, dQ kernel config)."""
-    table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
-    dkdv, dq = table[_size_class(padded_head_dim)]
+def bwd_configs(padded_head_dim: int, dtype: torch.dtype, two_chunks: bool = False) -> tuple[dict, dict]:
+    """(dK/dV kernel config, dQ kernel config); ``two_chunks``: the wider head dim is held in two chunks
+    (:func:`bwd_head_dim_chunks`)."""
+    size = _size_class(padded_head_dim)
+    if dtype == torch.float32:
+        table = _BWD_32BIT
+    else:
+        table = _BWD_16BIT_TWO_CHUNKS if two_chunks and size in _BWD_16BIT_TWO_CHUNKS else _BWD_16BIT
+    dkdv, dq = table[size]
     return _config(*dkdv), _config(*dq)
 
 

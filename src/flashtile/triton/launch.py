@@ -160,7 +160,7 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     if not _plain(options, tensors) or sm90_fwd is None:
         return False
-    threshold = configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal, sm90_fwd.persistent(k.shape[1])),
+    threshold = configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal, sm90_fwd.persistent(k.shape[1], head_dim)),
                                              configs.INT32_MAX)
     return (v.shape[-1] == head_dim
             and options.softmax_scale > 0
@@ -377,7 +377,8 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     head_dim_v = v.shape[-1]
     padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
-    dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype)
+    two_chunks = configs.bwd_head_dim_chunks(max(head_dim, head_dim_v))[1] > 0
+    dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype, two_chunks)
     variant = _variant_arguments(options, tensors, q, k, shape, bias)
     wide = wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, attn_bias=tensors.attn_bias)
     plans.launch(
