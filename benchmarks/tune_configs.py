@@ -2,7 +2,8 @@
 
 For each case (bf16, batch·seqlen = 16384, nheads·headdim = 2048, as the standard sweep) it times the
 forward launcher and the backward launcher alone (``triton.testing.do_bench`` medians) for each
-candidate (BLOCK_M, BLOCK_N, num_warps, num_stages), with the launchers' config tables patched, and
+candidate (BLOCK_M, BLOCK_N, num_warps, num_stages), with the launchers' config tables patched and the
+Gluon kernels switched off (the Triton ones are what the tables configure), and
 prints TFLOP/s per candidate with the current default marked (for the two backward kernels, the
 time of the whole backward with the other kernel at its default).
 (A before/after of two trees is ``flashtile bench --compare``.)
@@ -70,8 +71,7 @@ def _sweeps(head_dim, causal, seqlen, defaults_only):
     size = 128 if padded <= 128 else 256
     tma = seqlen >= configs.TMA_MIN_SEQLEN  # the standard shapes are unpacked, aligned, Nq = Nk
     fwd = tuple(configs.fwd_config(padded, torch.bfloat16, causal, tma=tma).values())
-    two_chunks = configs.bwd_head_dim_chunks(head_dim)[1] > 0
-    dkdv, dq = (tuple(c.values()) for c in configs.bwd_configs(padded, torch.bfloat16, two_chunks))
+    dkdv, dq = (tuple(c.values()) for c in configs.bwd_configs(head_dim, head_dim, torch.bfloat16))
     plans = (
         ("fwd", fwd, FWD_CANDIDATES[size], lambda c: ("fwd_config", _config(c))),
         ("dkdv", dkdv, DKDV_CANDIDATES[size], lambda c: ("bwd_configs", (_config(c), _config(dq)))),
@@ -91,15 +91,20 @@ def _launch(mode, patch, q, k, v, do, out, lse, options):
     plans.clear()
 
     def run():
-        default = getattr(configs, name)
+        default, gluon_thresholds = getattr(configs, name), configs.GLUON_MIN_SEQLEN
         setattr(configs, name, lambda *_, **__: cfg)
+        # the Triton kernels whose tables are patched: not the Gluon forward, nor the fused backward
+        # (``deterministic`` takes the Triton one)
+        configs.GLUON_MIN_SEQLEN = {}
         try:
             if mode == "fwd":
                 launch.attention_forward(q, k, v, options, AttentionTensors())
             else:
-                launch.attention_backward(do, q, k, v, out, lse, options, AttentionTensors(), *grads)
+                launch.attention_backward(do, q, k, v, out, lse, options._replace(deterministic=True),
+                                          AttentionTensors(), *grads)
         finally:
             setattr(configs, name, default)
+            configs.GLUON_MIN_SEQLEN = gluon_thresholds
 
     return run
 

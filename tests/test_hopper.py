@@ -54,26 +54,49 @@ def gluon_backward_calls(monkeypatch):
 SEQLENS = [(1, 1), (1, 300), (17, 113), (113, 17), (203, 203), (300, 1000)]
 
 
-# One query against one key at head dims 192 and 256: the exact dQ is 0 (P = 1, so dS = P ∘ (dP − D) = 0), and the
-# Triton backward that these head dims take (no fused backward there) gives 1.6-2.5e-6 on an H100 (round 24), past
-# the rule's floor of 8 float32 ulps (9.5e-7): dP is a tensor-core sum of 192-256 products, D = rowsum(dO ∘ O) a
-# float32 one, and their difference is their rounding. The forward's output is V exactly there (it passes a bound far
-# below a 16-bit ulp) and its LSE passes, so the backward receives what the Triton forward would give it. Known
-# failure, kept strict: it must start passing if the backward's two sums come to agree (benchmarks/NOTES.md).
-ONE_KEY_DQ = pytest.mark.xfail(reason="one key: the Triton backward's dP − D rounding at head dims 192/256",
-                               strict=True)
-FORWARD_CASES = [pytest.param(head_dim, seqlens, marks=ONE_KEY_DQ if head_dim > 128 and seqlens == (1, 1) else ())
-                 for head_dim in (64, 128, 192, 256) for seqlens in SEQLENS]
+@on_sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS,
+                         ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
+    q, k, v, do = make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11)
+    if head_dim > 128 and seqlens == (1, 1):  # dq is test_one_key_dq_at_wide_head_dims's; the rest as everywhere
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        _, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        ref64, ref_lowp = references(q, k, v, do, causal=causal)
+        assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
+        torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
+        for name, got, r64, rlow in (("dk", dk, ref64[3], ref_lowp[3]), ("dv", dv, ref64[4], ref_lowp[4])):
+            assert_accurate(name, got, r64, rlow, factor=3)
+    else:
+        check_flash_attn_func(q, k, v, do, causal=causal)
+    assert gluon_calls
 
 
 @on_sm90
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, seqlens", FORWARD_CASES,
-                         ids=[f"d{p.values[0]}-q{p.values[1][0]}-k{p.values[1][1]}" for p in FORWARD_CASES])
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="one key at head dims 192/256: dq's exact 0 comes out as rounding past the rule's floor "
+                          "(benchmarks/NOTES.md, twenty-fourth session)")
+@pytest.mark.parametrize("forward", ["gluon", "triton"])
+@pytest.mark.parametrize("head_dim", [192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward(gluon_calls, dtype, head_dim, seqlens, causal):
-    check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=11), causal=causal)
-    assert gluon_calls
+def test_one_key_dq_at_wide_head_dims(monkeypatch, gluon_calls, dtype, head_dim, forward):
+    # One query against one key: P = 1, so the exact dS = P ∘ (dP − D) and dq are 0, and PyTorch's own 16-bit dq is
+    # 0 too, which leaves the rule its floor of 8 float32 ulps (9.5e-7). These head dims take the Triton backward
+    # (no fused one there), whose dq came out 1.6-2.5e-6 after the Gluon forward on an H100 (round 24): dP is a
+    # tensor-core sum of 192-256 products, D = rowsum(dO ∘ O) a float32 one, and dS is their rounding gap. The
+    # forward is not the cause, we believe (its output is V bitwise and its LSE passes, test_gluon_forward), so the
+    # Triton forward should fail alike: unconfirmed on a GPU, and strict either way, so that whichever passes says so.
+    if forward == "triton":
+        monkeypatch.setattr(configs, "GLUON_MIN_SEQLEN", {})
+    q, k, v, do = make_inputs(2, 1, 1, 4, 4, head_dim, dtype, seed=11)
+    dq, _, _ = torch.autograd.grad(flashtile.flash_attn_func(q, k, v), (q, k, v), do)
+    if bool(gluon_calls) != (forward == "gluon"):  # not an AssertionError: a real failure, not the expected one
+        pytest.fail(f"the {forward} forward did not run")
+    ref64, ref_lowp = references(q, k, v, do)
+    assert_accurate("dq", dq, ref64[2], ref_lowp[2], factor=3)
 
 
 @on_sm90
@@ -144,15 +167,16 @@ def test_deterministic_takes_the_backward_without_atomics(gluon_backward_calls):
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(17, 113), (203, 203), (300, 100)], ids=lambda s: f"q{s[0]}-k{s[1]}")
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 def test_gluon_forward_with_sink(gluon_calls, gluon_backward_calls, head_dim, seqlens, causal):
     # logits that dominate a row (8), vanish (−30) or sit among the scores; causal q300-k100: rows that
-    # see no key give 0 and LSE = sink. The fused backward takes the LSE, sink included.
+    # see no key give 0 and LSE = sink. The fused backward (head dims 64 and 128; the Triton one beyond) takes the
+    # LSE, sink included.
     q, k, v, do = make_inputs(2, *seqlens, 4, 2, head_dim, torch.bfloat16, seed=9)
     sink = torch.tensor([8.0, -30.0, 0.5, -1.0], device=DEVICE, requires_grad=True)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, return_attn_probs=True)
     grads = torch.autograd.grad(out, (q, k, v, sink), do)
-    assert gluon_calls and gluon_backward_calls
+    assert gluon_calls and bool(gluon_backward_calls) == (head_dim <= 128)
     ref64, ref_lowp = references(q, k, v, do, causal=causal, learnable_sink=sink)
     assert_accurate("out", out, ref64[0], ref_lowp[0], factor=2)
     torch.testing.assert_close(lse.double(), ref64[1], rtol=0, atol=1e-5)
@@ -255,6 +279,10 @@ def test_gluon_only_where_it_applies(monkeypatch):
     assert usable(head_dim=64, seqlen=4096, k_seqlen=8192, options=causal)
     assert not usable(head_dim=64, seqlen=1024, k_seqlen=8192, options=causal)
     assert not usable(head_dim=96) and not usable(dtype=torch.float32)
+    # 192 in 256-wide tiles, and 256, on a CTA per tile; other head dims past 128 keep the Triton forward
+    assert usable(head_dim=192, seqlen=1024) and usable(head_dim=256, seqlen=1024, options=causal)
+    assert not usable(head_dim=160) and not usable(head_dim=224)
+    assert not sm90_fwd.persistent(1024, 192) and not sm90_fwd.persistent(1024, 256) and sm90_fwd.persistent(1024, 128)
     # the kernel masks before it scales
     assert not usable(options=AttentionOptions(0.0)) and not usable(options=AttentionOptions(-0.1))
     for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
@@ -266,6 +294,8 @@ def test_gluon_only_where_it_applies(monkeypatch):
     q = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
     assert not launch.gluon_usable(full, AttentionTensors(), q, q[:, :, :1].expand(1, 8, 2, 128), q)  # head stride 0
     assert not launch.gluon_usable(full, AttentionTensors(), q, q, q[..., :64].contiguous())  # v's head dim (MLA)
+    mla = torch.randn(1, 1024, 2, 192).to(torch.bfloat16)
+    assert not launch.gluon_usable(full, AttentionTensors(), mla, mla, mla[..., :128].contiguous())
     monkeypatch.setattr(launch, "_is_sm90", lambda device: False)
     assert not usable()
 

@@ -20,7 +20,7 @@ TMA_MIN_SEQLEN = 4096
 # 1.07-1.19x at 512-2048; below 512 neither the kernels nor the host time per call were compared); on a
 # CTA per tile from 2048 (v0.5), causal from 4096 (1.07x there: NOTES.md, sixteenth session). At 192 and 256
 # (a CTA per tile: those grids are never persistent) everywhere: 1.12-1.85x the Triton forward at N = 1024-16384,
-# full and causal (H100, round 24; NOTES.md, twenty-fourth session). The tests set it to {} to run the Triton
+# full and causal (H100, round 24; NOTES.md, twenty-fourth session); below 1024 unmeasured. The tests set it to {} to run the Triton
 # forward on an sm_90 GPU.
 GLUON_MIN_SEQLEN = {(128, False, True): 1, (128, True, True): 1, (128, False, False): 1, (128, True, False): 1,
                     (64, False, True): 512, (64, True, True): 512, (64, False, False): 2048, (64, True, False): 4096,
@@ -51,11 +51,12 @@ _BWD_16BIT = {
     128: ((64, 64, 4, 2), (64, 64, 4, 2)),
     256: ((32, 32, 4, 2), (64, 32, 4, 1)),
 }
-# Head dims held in two chunks of 128 + up to 64 (192, 160: ``bwd_head_dim_chunks``) take tiles of their own: the
-# 256-wide class's were chosen before the chunks, and the corrected tuner's sweep found narrower dK/dV blocks
-# and a second dQ stage faster (H100, bf16, seqlen 4096, round 24: the whole backward at 192 with the dK/dV
-# (16, 64, 4, 2) 5.13 ms against 6.86, causal 3.03 against 3.77; with the dQ (64, 32, 4, 2) 6.27 against 6.78,
-# causal 3.35 against 3.67, each swept with the other kernel at the class's default).
+# Head dims held in two chunks of 128 + up to 64 (``bwd_head_dim_chunks``: 192, and 129-160 as 128 + 32) take
+# tiles of their own: the 256-wide class's were chosen before the chunks, and the corrected tuner's sweep at 192
+# found narrower dK/dV blocks and a second dQ stage faster (H100, bf16, seqlen 4096, round 24: the whole backward
+# with the dK/dV (16, 64, 4, 2) 5.13 ms against 6.86, causal 3.03 against 3.77; with the dQ (64, 32, 4, 2) 6.27
+# against 6.78, causal 3.35 against 3.67, each swept with the other kernel at the class's default). The 128 + 32
+# heads and MLA's 192/128 take them untimed, by the same register and shared-memory argument.
 _BWD_16BIT_TWO_CHUNKS = {256: ((16, 64, 4, 2), (64, 32, 4, 2))}
 # float32 tiles are twice as wide in shared memory: half the blocks (not tuned).
 _FWD_32BIT = {64: (128, 32, 4, 3), 128: (128, 32, 8, 2), 256: (64, 16, 4, 2)}
@@ -110,14 +111,17 @@ def fwd_config(padded_head_dim: int, dtype: torch.dtype, causal: bool, has_bias:
     return _config(block_m, block_n, num_warps, num_stages)
 
 
-def bwd_configs(padded_head_dim: int, dtype: torch.dtype, two_chunks: bool = False) -> tuple[dict, dict]:
-    """(dK/dV kernel config, dQ kernel config); ``two_chunks``: the wider head dim is held in two chunks
-    (:func:`bwd_head_dim_chunks`)."""
-    size = _size_class(padded_head_dim)
+def bwd_configs(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(dK/dV kernel config, dQ kernel config) for Q/K's ``head_dim`` and V's ``head_dim_v``: by the wider one's
+    padded size class, and whether the kernels hold it in two chunks (:func:`bwd_head_dim_chunks`)."""
+    widest = max(head_dim, head_dim_v)
+    size = _size_class(block_d(widest))
     if dtype == torch.float32:
         table = _BWD_32BIT
+    elif bwd_head_dim_chunks(widest)[1] > 0 and size in _BWD_16BIT_TWO_CHUNKS:
+        table = _BWD_16BIT_TWO_CHUNKS
     else:
-        table = _BWD_16BIT_TWO_CHUNKS if two_chunks and size in _BWD_16BIT_TWO_CHUNKS else _BWD_16BIT
+        table = _BWD_16BIT
     dkdv, dq = table[size]
     return _config(*dkdv), _config(*dq)
 

@@ -4,7 +4,7 @@ configuration and keyword arguments.
 This is where the code paths are chosen:
 
 * the forward runs ``flashtile.gluon.sm90_fwd`` (FlashAttention-3's warp-specialised schedule) on an
-  sm_90 GPU for plain full or causal attention in 16 bits at head dims 64/128 from
+  sm_90 GPU for plain full or causal attention in 16 bits at head dims 64/128/192/256 from
   ``configs.GLUON_MIN_SEQLEN`` on, else ``attention.attn_fwd_kernel``, which moves its tiles
   with the tensor copy engine (TMA descriptors) from ``configs.TMA_MIN_SEQLEN`` on where the
   strides allow, else with masked pointer loads;
@@ -376,9 +376,8 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
     """The Triton backward's three launches: D = rowsum(dO ∘ O), then dK/dV, then dQ."""
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     head_dim_v = v.shape[-1]
-    padded, padded_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
-    two_chunks = configs.bwd_head_dim_chunks(max(head_dim, head_dim_v))[1] > 0
-    dkdv_cfg, dq_cfg = configs.bwd_configs(max(padded, padded_v), q.dtype, two_chunks)
+    padded_v = configs.block_d(head_dim_v)
+    dkdv_cfg, dq_cfg = configs.bwd_configs(head_dim, head_dim_v, q.dtype)
     variant = _variant_arguments(options, tensors, q, k, shape, bias)
     wide = wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, attn_bias=tensors.attn_bias)
     plans.launch(
