@@ -212,9 +212,10 @@ def test_cpu_path_returns_a_contiguous_lse(monkeypatch, dtype):
 
 @with_descriptor_loads
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 80, 96, 128, 192, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 64, 80, 96, 128, 160, 192, 256], ids=lambda d: f"d{d}")
 def test_head_dims(backend, head_dim, causal):
-    # 40, 80, 96 and 192: the backward kernels hold these head dims in two chunks (configs.bwd_head_dim_chunks)
+    # 40, 80, 96, 160 and 192: the backward kernels hold these head dims in two chunks (configs.bwd_head_dim_chunks),
+    # 160 and 192 with tiles of their own (configs._BWD_16BIT_TWO_CHUNKS)
     check_flash_attn_func(*make_inputs(2, 67, 45, 2, 2, head_dim, torch.bfloat16, seed=1), causal=causal)
 
 
