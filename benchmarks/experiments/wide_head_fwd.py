@@ -1,5 +1,11 @@
-"""Gluon forward at head dims 192/256 against the Triton forward, cuDNN and SDPA flash (bf16, batch·N = 16384, 16 heads)."""
-import sys, torch, triton
+"""The Gluon forward at head dims 192 and 256 against the Triton forward (the same call with the Gluon thresholds
+off), cuDNN and SDPA flash: bf16, batch·seqlen 16384, 16 heads, seqlen 1024 / 4096 / 16384, full and causal;
+``triton.testing.do_bench`` medians, TFLOP/s, and the two forwards' largest output difference. GPU only.
+
+    PYTHONPATH=src python3 benchmarks/experiments/wide_head_fwd.py    (round 24: results/round24_2026-12-07/call1)
+"""
+import torch
+import triton
 from torch.nn.attention import sdpa_kernel, SDPBackend
 import torch.nn.functional as F
 import flashtile
