@@ -7,8 +7,8 @@ the pieces, still in Python:
 
 * the work is cut into tiles of 64·c query rows of one head. A CTA takes one tile, or, over at most
   ``PERSISTENT_MAX_KEYS`` keys at head dims up to 128, the grid is **persistent**: one CTA per SM walks a
-  strided share of the tiles (under causal masking in pairs of equal total length), so that a short tile's Q load and O
-  store, which a CTA of one tile leaves exposed, overlap the previous and next tiles' work
+  strided share of the tiles (under causal masking in pairs of equal total length), so that a short tile's Q
+  load and O store, which a CTA of one tile leaves exposed, overlap the previous and next tiles' work
   (``persistent`` says where it measured faster). The CTA is split into partitions of warps that share
   K/V tiles in shared memory:
   - a **producer warp** moves a tile's Q once the consumers have finished the previous tile's QKᵀ
@@ -17,8 +17,8 @@ the pieces, still in Python:
     so that the next tile's Q and first K/V blocks load under this tile's last blocks; a persistent
     CTA's O leaves through a staging buffer of its own, under the next tile's main loop;
   - **c consumer warpgroups** (``consumers``: two on the persistent grid; on a CTA per tile three at
-    head dim 64, two at 128, 192 and 256), 64 query rows each, run the online softmax (base 2, log2 e folded into
-    the scale) with ``wgmma``, and ``setmaxnreg`` gives them the registers the producer does not need;
+    head dim 64, two at 128, 192 and 256), 64 query rows each, run the online softmax (base 2, log2 e folded
+    into the scale) with ``wgmma``, and ``setmaxnreg`` gives them the registers the producer does not need;
 * inside a consumer, the matmuls of neighbouring blocks overlap (FA3's intra-warpgroup
   pipelining): ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` are issued together, the consumer
   waits for S_j alone and computes softmax(S_j) while the PV matmul still runs, then rescales O;
@@ -41,8 +41,9 @@ log-sum-exp in natural log, float32, and a row that sees no key gets output 0 an
 Limits (``flashtile.triton.launch.attention_forward`` sends everything else to the Triton kernel, which stays the
 portable path and the interpreter-tested specification): sm_90 only; bf16/fp16; head dims 64, 128, 192 and 256
 (192 in 256-wide tiles, ``tile_head_dim``); full or causal attention (with or without a learnable sink) without
-bias, ALiBi, softcap, window, dropout or packed batches; a positive softmax scale (masking sets raw scores to −inf before the scale multiplies them, and the
-running max is kept over raw scores: with a scale ≤ 0 masked entries would give NaN).
+bias, ALiBi, softcap, window, dropout or packed batches; a positive softmax scale (masking sets raw scores to
+−inf before the scale multiplies them, and the running max is kept over raw scores: with a scale ≤ 0 masked
+entries would give NaN).
 Gluon has no interpreter, so this file is tested on the GPU only (tests/test_hopper.py).
 """
 
@@ -75,7 +76,8 @@ CONSUMERS = {64: 3, 128: 2, 256: 2}
 ROWS, NUM_STAGES = 64, 2
 # The longest key range a persistent grid runs (see ``persistent``); in 256-wide tiles the grid is never
 # persistent (a persistent CTA's O buffer would take the kernel to 256 KiB of shared memory). H100, kernels in
-# CUDA graphs, bf16, full attention at 16384 tokens, the persistent grid against a CTA per tile of the same kernel, two runs:
+# CUDA graphs, bf16, full attention at 16384 tokens, the persistent grid against a CTA per tile of the same
+# kernel, two runs:
 # head dim 128 1.10-1.11x at N = 512, 1.04-1.05x at 1024, 1.00-1.02x at 2048, 0.97-1.01x at 4096,
 # 0.97-0.99x at 8192, 0.86-0.98x at 16384; head dim 64 1.08x, 1.03-1.04x, 1.00x, then 0.92-0.99x.
 PERSISTENT_MAX_KEYS = 2048
@@ -453,9 +455,8 @@ def keys_per_block(head_dim: int) -> int:
 
 def persistent(seqlen_k: int, head_dim: int) -> bool:
     """Whether the grid is persistent: in tiles up to 128 wide (see ``PERSISTENT_MAX_KEYS``) over at most
-    ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key
-    blocks left its Q load and O store exposed; longer tiles gained nothing (benchmarks/NOTES.md,
-    fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
+    ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key blocks left its Q load and O store exposed; longer
+    tiles gained nothing (benchmarks/NOTES.md, fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
     stride over single tiles left some CTAs twice the work of others; pairs gained 3-10% at head dim 128
     (fifteenth session) and, with two consumers, 7-19% over the Triton forward at 64 (sixteenth)."""
     return tile_head_dim(head_dim) <= 128 and seqlen_k <= PERSISTENT_MAX_KEYS

@@ -20,8 +20,8 @@ TMA_MIN_SEQLEN = 4096
 # 1.07-1.19x at 512-2048; below 512 neither the kernels nor the host time per call were compared); on a
 # CTA per tile from 2048 (v0.5), causal from 4096 (1.07x there: NOTES.md, sixteenth session). At 192 and 256
 # (a CTA per tile: those grids are never persistent) everywhere: 1.12-1.85x the Triton forward at N = 1024-16384,
-# full and causal (H100, round 24; NOTES.md, twenty-fourth session); below 1024 unmeasured. The tests set it to {} to run the Triton
-# forward on an sm_90 GPU.
+# full and causal (H100, round 24; NOTES.md, twenty-fourth session); below 1024 unmeasured. The tests set it to
+# {} to run the Triton forward on an sm_90 GPU.
 GLUON_MIN_SEQLEN = {(128, False, True): 1, (128, True, True): 1, (128, False, False): 1, (128, True, False): 1,
                     (64, False, True): 512, (64, True, True): 512, (64, False, False): 2048, (64, True, False): 4096,
                     (192, False, False): 1, (192, True, False): 1, (256, False, False): 1, (256, True, False): 1}

@@ -160,8 +160,8 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
     head_dim, seqlen = q.shape[-1], min(q.shape[1], k.shape[1])
     if not _plain(options, tensors) or sm90_fwd is None:
         return False
-    threshold = configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal, sm90_fwd.persistent(k.shape[1], head_dim)),
-                                             configs.INT32_MAX)
+    grid_is_persistent = sm90_fwd.persistent(k.shape[1], head_dim)
+    threshold = configs.GLUON_MIN_SEQLEN.get((head_dim, options.causal, grid_is_persistent), configs.INT32_MAX)
     return (v.shape[-1] == head_dim
             and options.softmax_scale > 0
             and q.dtype in (torch.float16, torch.bfloat16) and q.numel() > 0 and k.numel() > 0
