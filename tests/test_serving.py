@@ -118,21 +118,21 @@ def test_paged_varlen_prefill(paged_route, variant, page_size):
 
 
 def test_paged_prefill_route():
-    # the forward kernel takes a batch of prefills (32 queries a sequence on average, or more), and
+    # the forward kernel takes a batch of prefills (64 queries a sequence on average, or more), and
     # leaves decoding rows and the KV-cache kernel's own features to it
-    table, cu = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 40, 64], dtype=torch.int32)
-    cache, q = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16), torch.empty(64, 4, 64, dtype=torch.bfloat16)
+    table, cu = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 80, 128], dtype=torch.int32)
+    cache, q = torch.empty(8, 16, 2, 64, dtype=torch.bfloat16), torch.empty(128, 4, 64, dtype=torch.bfloat16)
 
     def usable(q=q, cache=cache, table=table, cu=cu, **features):
         arguments = {**dict(cache_batch_idx=None, cache_leftpad=None, k_descale=None, rotary_cos=None), **features}
         return launch.paged_prefill_usable(q, cache, cache, block_table=table, cu_seqlens_q=cu, **arguments)
 
-    assert configs.PAGED_PREFILL_MIN_QUERIES == 32 and usable()
-    assert not usable(q=q[:63])  # 31.5 queries a sequence: decoding rows among them
+    assert configs.PAGED_PREFILL_MIN_QUERIES == 64 and usable()
+    assert not usable(q=q[:127])  # 63.5 queries a sequence: decoding rows among them
     assert not usable(table=None) and not usable(cu=None)
     assert not usable(k_descale=torch.ones(2, 2)) and not usable(cache_leftpad=torch.zeros(2, dtype=torch.int32))
     assert not usable(rotary_cos=torch.ones(4, 8)) and not usable(config=dict(BLOCK_N=32))
-    assert not usable(q=torch.empty(64, 4, 288, dtype=torch.bfloat16),
+    assert not usable(q=torch.empty(128, 4, 288, dtype=torch.bfloat16),
                       cache=torch.empty(8, 16, 2, 288, dtype=torch.bfloat16))  # beyond the forward kernel's 256
 
 

@@ -187,8 +187,8 @@ def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, st
 @gluon.jit
 def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
               do_ready, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-              i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale,
-              sm_scale, tiling):
+              i_b, i_hk, start_n, first_m, m_blocks, n_steps, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale,
+              tiling):
     """One warpgroup: keys [start_n + which·KEYS, +KEYS) against every query block of the group."""
     CAUSAL: gl.constexpr = tiling.CAUSAL
     BLOCK_M: gl.constexpr = tiling.BLOCK_M
@@ -221,7 +221,6 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     for t in range(n_steps):
         stage = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        i_hq = i_hk * group_size + t // m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
@@ -358,7 +357,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
                 empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                 stride_dvh, i_b, i_hk, start_n, first_m, m_blocks,
-                n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
+                n_steps, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
     producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps, group_size, tiling)
     # the kernel's own 4 warps are consumer 0, which setmaxnreg gives what the other partitions leave of the

@@ -7,7 +7,7 @@ Algorithm (FlashAttention-2 ordering, mirrored by ``flashtile.reference``):
   scale so the inner loop uses ``exp2``), rescale the running sum and the
   unnormalised output by ``exp2(m_old − m_new)``, divide by ``ℓ`` once, and
   write O and the log-sum-exp ``L = (m + log2 ℓ) · ln 2`` — **natural log**, float32;
-* backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32;
+* backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32, formed by the matmuls that form dP;
 * backward dK/dV, one program per (K block, KV head, batch): loop over the query
   heads of its GQA group and over the Q blocks that see it, recompute
   ``Pᵀ = exp2(S·log2 e − L·log2 e)``; ``dV += Pᵀ dO``,
@@ -440,9 +440,17 @@ def attn_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh,
     seqlen_q,
-    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
+    """``D = rowsum(dO ∘ O)`` per block of ``BLOCK_M`` query rows of one head, into ``Delta`` (the
+    log-sum-exp's layout). D is the diagonal of O dOᵀ formed with the matmuls, in the head-dim chunks
+    (``BLOCK_D``, ``BLOCK_D2``) in which the dK/dV and dQ kernels form dP = dO Vᵀ: where a row sees a
+    single key, O is that key's V, D equals dP bit for bit, and dS = P ∘ (dP − D) is exactly 0, as it
+    is mathematically. An elementwise sum rounds in another order, and its gap to dP, times scale · K,
+    exceeds flash-attn's float32 floor on dQ and dK at head dims 192-256 (benchmarks/NOTES.md, the
+    twenty-fifth session). The matmul does BLOCK_M times the elementwise work: still O(seqlen_q), not
+    O(seqlen_q · seqlen_k)."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_ob, stride_os, stride_oh = widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
@@ -455,14 +463,21 @@ def attn_bwd_preprocess_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_m = o_m < seqlen_q
-    mask = m_m[:, None] & (o_d < HEAD_DIM)[None, :]
+    m_d = o_d < HEAD_DIM
     rows = q_start + o_m
-    b_o = tl.load(Out + i_b * stride_ob + i_h * stride_oh + rows[:, None] * stride_os + o_d[None, :] * stride_od,
-                  mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DOut + i_b * stride_dob + i_h * stride_doh + rows[:, None] * stride_dos + o_d[None, :] * stride_dod,
-                   mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    # D_i = rowsum(dO_i ∘ O_i); Delta has the log-sum-exp's layout
-    tl.store(Delta + i_b * stride_lb + i_h * stride_lh + rows, tl.sum(b_o * b_do, 1), mask=m_m)
+    o_base = Out + i_b * stride_ob + i_h * stride_oh
+    do_base = DOut + i_b * stride_dob + i_h * stride_doh
+    b_o = _load_rows(o_base + rows[:, None] * stride_os + o_d[None, :] * stride_od, m_m, m_d, True,
+                     HEAD_DIM >= BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d, True,
+                      HEAD_DIM >= BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_o2 = _load_tail(o_base, rows, m_m, stride_os, stride_od, True, HEAD_DIM, BLOCK_D, BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
+    b_do2 = _load_tail(do_base, rows, m_m, stride_dos, stride_dod, True, HEAD_DIM, BLOCK_D,
+                       BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
+    o_do = _dot_over_head_dim(b_o, b_do, b_o2, b_do2, BLOCK_D2, DOT_PRECISION)  # O dOᵀ [BLOCK_M, BLOCK_M]
+    # the diagonal: one term a row, the others exactly 0
+    delta = tl.sum(tl.where(o_m[:, None] == o_m[None, :], o_do, 0.0), 1)  # [BLOCK_M]
+    tl.store(Delta + i_b * stride_lb + i_h * stride_lh + rows, delta, mask=m_m)
 
 
 @triton.jit

@@ -28,10 +28,11 @@ GLUON_MIN_SEQLEN = {(128, False, True): 1, (128, True, True): 1, (128, False, Fa
 # Packed queries against a paged cache: from this many queries per sequence on average on, the forward
 # kernel (BLOCK_M rows of one head per program, as the contiguous varlen forward) takes them rather
 # than the KV-cache kernel (a GQA group's heads in its rows: a few queries per sequence, decoding). H100,
-# 32 sequences of 4096 keys, 32:8, d128 (benchmarks/features_round.py paged-route): the KV-cache kernel
-# 210-246 us at 1-16 queries a sequence against the forward kernel's 361-377; at 32 the forward kernel
-# 381 us against 446, at 64 394 against 860; a vLLM-style mixed batch averaging 49: 2.24 ms against 2.91.
-PAGED_PREFILL_MIN_QUERIES = 32
+# 32 sequences of 4096 keys, 32:8, d128 (benchmarks/features_round.py paged-route, round 25): the KV-cache
+# kernel 197-203 us at 1-16 queries a sequence against the forward kernel's 352-360; at 32 259 against 366;
+# at 64 the forward kernel 388 against 486. A vLLM-style mixed batch averaging 49 (58 rows decoding, 6
+# prefilling 512): the KV-cache kernel 1743 us against 2091. The crossover lies between 49 and 64.
+PAGED_PREFILL_MIN_QUERIES = 64
 
 # Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, from sweeps on the H200
 # (benchmarks/tune_configs.py, bf16, seqlen 8192; benchmarks/NOTES.md has the tables).

@@ -376,19 +376,18 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
     """The Triton backward's three launches: D = rowsum(dO ∘ O), then dK/dV, then dQ."""
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
     head_dim_v = v.shape[-1]
-    padded_v = configs.block_d(head_dim_v)
     dkdv_cfg, dq_cfg = configs.bwd_configs(head_dim, head_dim_v, q.dtype)
     variant = _variant_arguments(options, tensors, q, k, shape, bias)
     wide = wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, attn_bias=tensors.attn_bias)
+    block_d, block_d2 = configs.bwd_head_dim_chunks(head_dim)
+    block_dv, block_dv2 = configs.bwd_head_dim_chunks(head_dim_v)
     plans.launch(
         plan, attn_bwd_preprocess_kernel, (cdiv(seqlen_q, 64), nheads_q, batch),
         Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
         **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
-        seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=padded_v,
-        BLOCK_M=64, WIDE=wide,
+        seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
+        BLOCK_D2=block_dv2, BLOCK_M=64, DOT_PRECISION=variant["DOT_PRECISION"], WIDE=wide,
     )
-    block_d, block_d2 = configs.bwd_head_dim_chunks(head_dim)
-    block_dv, block_dv2 = configs.bwd_head_dim_chunks(head_dim_v)
     shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
                   **_token_strides("q", q), **_token_strides("k", k), **_token_strides("v", v),
                   **_token_strides("do", dout), **_lse_strides(lse),
