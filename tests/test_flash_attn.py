@@ -221,15 +221,26 @@ def test_head_dims(backend, head_dim, causal):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["bwd", "deterministic-bwd"])
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 192, 256], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_one_query_against_one_key(backend, dtype, head_dim, deterministic):
-    # P = 1, so the exact dS = P ∘ (dP − D), dq and dk are 0, and PyTorch's own 16-bit ones are 0 too: the rule
+    # P = 1, so the exact dS = P ∘ (dP − D), dq and dk are 0, and PyTorch's own ones are 0 too: the rule
     # leaves only its floor of 8 float32 ulps. D summed in another order than dP's matmul missed that floor at
     # head dims 192-256 on the GPU (benchmarks/NOTES.md, twenty-fourth session); on sm_90 deterministic=False takes
     # the fused Gluon backward at 64/128 and the Triton one elsewhere, deterministic=True the Triton one everywhere.
     q, k, v, do = make_inputs(2, 1, 1, 4, 4, head_dim, dtype, seed=11)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True)
     check_outputs(out, lse, torch.autograd.grad(out, (q, k, v), do), *references(q, k, v, do))
+
+
+@pytest.mark.parametrize("head_dim", [64, 192], ids=lambda d: f"d{d}")
+def test_backward_of_an_out_in_float32(backend, head_dim):
+    # ops.attention_backward's out may be a larger attention's (ring attention) in another dtype than dout's; D =
+    # rowsum(dO ∘ O) is then summed elementwise in float32 (the matmul form of 16-bit calls needs one dtype)
+    q, k, v, do = make_inputs(1, 17, 113, 2, 2, head_dim, torch.bfloat16, seed=5)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    grads = ops.attention_backward(do, q.detach(), k.detach(), v.detach(), out.detach().float(), lse.detach(),
+                                   head_dim ** -0.5, False)
+    check_outputs(out, lse, grads, *references(q, k, v, do))
 
 
 @with_descriptor_loads

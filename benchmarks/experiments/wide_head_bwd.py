@@ -4,7 +4,8 @@
   class's (before), alternating twice, beside cuDNN and SDPA flash (bf16, seqlen 4096, batch 4, 16 heads);
 * one query against one key at head dims 64-256: dq's largest value (the exact one is 0) after the Gluon forward
   with either backward, and after the Triton forward, which tells whether the one-key failure at 192/256 is the
-  backward's (``tests/test_hopper.py::test_one_key_dq_at_wide_head_dims``). GPU only.
+  backward's (it was: the Triton backward's D, fixed in the twenty-fifth session;
+  ``tests/test_flash_attn.py::test_one_query_against_one_key``). GPU only.
 
     PYTHONPATH=src python3 benchmarks/experiments/wide_head_bwd.py
 """

@@ -7,7 +7,7 @@ Algorithm (FlashAttention-2 ordering, mirrored by ``flashtile.reference``):
   scale so the inner loop uses ``exp2``), rescale the running sum and the
   unnormalised output by ``exp2(m_old − m_new)``, divide by ``ℓ`` once, and
   write O and the log-sum-exp ``L = (m + log2 ℓ) · ln 2`` — **natural log**, float32;
-* backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32, formed by the matmuls that form dP;
+* backward preprocess: ``D_i = rowsum(dO_i ∘ O_i)`` in float32, by a matmul as dP is formed;
 * backward dK/dV, one program per (K block, KV head, batch): loop over the query
   heads of its GQA group and over the Q blocks that see it, recompute
   ``Pᵀ = exp2(S·log2 e − L·log2 e)``; ``dV += Pᵀ dO``,
@@ -441,16 +441,21 @@ def attn_bwd_preprocess_kernel(
     stride_lb, stride_lh,
     seqlen_q,
     IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, D_BY_MATMUL: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
 ):
     """``D = rowsum(dO ∘ O)`` per block of ``BLOCK_M`` query rows of one head, into ``Delta`` (the
-    log-sum-exp's layout). D is the diagonal of O dOᵀ formed with the matmuls, in the head-dim chunks
-    (``BLOCK_D``, ``BLOCK_D2``) in which the dK/dV and dQ kernels form dP = dO Vᵀ: where a row sees a
-    single key, O is that key's V, D equals dP bit for bit, and dS = P ∘ (dP − D) is exactly 0, as it
-    is mathematically. An elementwise sum rounds in another order, and its gap to dP, times scale · K,
-    exceeds flash-attn's float32 floor on dQ and dK at head dims 192-256 (benchmarks/NOTES.md, the
-    twenty-fifth session). The matmul does BLOCK_M times the elementwise work: still O(seqlen_q), not
-    O(seqlen_q · seqlen_k)."""
+    log-sum-exp's layout), over the head dim in the chunks (``BLOCK_D``, ``BLOCK_D2``) in which the dK/dV and
+    dQ kernels form dP = dO Vᵀ.
+
+    ``D_BY_MATMUL`` (O and dO of one dtype): D is the diagonal of O dOᵀ formed by a matmul, as dP is. Where a
+    row sees a single key, O is that key's V, and the two are then the same sum of the same products, so that
+    dS = P ∘ (dP − D) comes out 0, as it is mathematically, wherever the two matmuls sum in the same order
+    (on sm_90 the 16-bit dK/dV tiles of 32 rows use mma.sync where this uses wgmma; every one-key test passed
+    on an H100 all the same). An elementwise sum rounds in another order, and its gap to dP, times scale · K,
+    exceeded flash-attn's float32 floor on dQ and dK at head dims 192-256 on an H100 (benchmarks/NOTES.md,
+    twenty-fifth session). The matmul does ``BLOCK_M`` times the elementwise work: O(seqlen_q · BLOCK_M · D),
+    against the backward's O(seqlen_q · seqlen_k · D). Otherwise (an O of another dtype than dO's, as a
+    larger attention's may be): the elementwise sum in float32."""
     # a tensor of the call spans more than 2³¹ elements: 64-bit strides make every offset formed with them
     # 64-bit (head-dim strides stay 32-bit; the launcher bounds what they span)
     stride_ob, stride_os, stride_oh = widen(stride_ob, WIDE), widen(stride_os, WIDE), widen(stride_oh, WIDE)
@@ -474,9 +479,14 @@ def attn_bwd_preprocess_kernel(
     b_o2 = _load_tail(o_base, rows, m_m, stride_os, stride_od, True, HEAD_DIM, BLOCK_D, BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
     b_do2 = _load_tail(do_base, rows, m_m, stride_dos, stride_dod, True, HEAD_DIM, BLOCK_D,
                        BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
-    o_do = _dot_over_head_dim(b_o, b_do, b_o2, b_do2, BLOCK_D2, DOT_PRECISION)  # O dOᵀ [BLOCK_M, BLOCK_M]
-    # the diagonal: one term a row, the others exactly 0
-    delta = tl.sum(tl.where(o_m[:, None] == o_m[None, :], o_do, 0.0), 1)  # [BLOCK_M]
+    if D_BY_MATMUL:
+        o_do = _dot_over_head_dim(b_o, b_do, b_o2, b_do2, BLOCK_D2, DOT_PRECISION)  # O dOᵀ [BLOCK_M, BLOCK_M]
+        # the diagonal: one term a row, the others exactly 0
+        delta = tl.sum(tl.where(o_m[:, None] == o_m[None, :], o_do, 0.0), 1)  # [BLOCK_M]
+    else:
+        delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
+        if BLOCK_D2 > 0:
+            delta += tl.sum(b_o2.to(tl.float32) * b_do2.to(tl.float32), 1)
     tl.store(Delta + i_b * stride_lb + i_h * stride_lh + rows, delta, mask=m_m)
 
 
