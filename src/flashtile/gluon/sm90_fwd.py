@@ -456,9 +456,10 @@ def keys_per_block(head_dim: int) -> int:
 def persistent(seqlen_k: int, head_dim: int) -> bool:
     """Whether the grid is persistent: in tiles up to 128 wide (see ``PERSISTENT_MAX_KEYS``) over at most
     ``PERSISTENT_MAX_KEYS`` keys, where a tile's few key blocks left its Q load and O store exposed; longer
-    tiles gained nothing (benchmarks/NOTES.md, fourteenth session). Causal tiles go in pairs of equal total length (``_units_per_head``): a static
-    stride over single tiles left some CTAs twice the work of others; pairs gained 3-10% at head dim 128
-    (fifteenth session) and, with two consumers, 7-19% over the Triton forward at 64 (sixteenth)."""
+    tiles gained nothing (benchmarks/NOTES.md, fourteenth session). Causal tiles go in pairs of equal total
+    length (``_units_per_head``): a static stride over single tiles left some CTAs twice the work of others;
+    pairs gained 3-10% at head dim 128 (fifteenth session) and, with two consumers, 7-19% over the Triton
+    forward at 64 (sixteenth)."""
     return tile_head_dim(head_dim) <= 128 and seqlen_k <= PERSISTENT_MAX_KEYS
 
 

@@ -476,7 +476,8 @@ def attn_bwd_preprocess_kernel(
                      HEAD_DIM >= BLOCK_D)  # [BLOCK_M, BLOCK_D]
     b_do = _load_rows(do_base + rows[:, None] * stride_dos + o_d[None, :] * stride_dod, m_m, m_d, True,
                       HEAD_DIM >= BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    b_o2 = _load_tail(o_base, rows, m_m, stride_os, stride_od, True, HEAD_DIM, BLOCK_D, BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
+    b_o2 = _load_tail(o_base, rows, m_m, stride_os, stride_od, True, HEAD_DIM, BLOCK_D,
+                      BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
     b_do2 = _load_tail(do_base, rows, m_m, stride_dos, stride_dod, True, HEAD_DIM, BLOCK_D,
                        BLOCK_D2)  # [BLOCK_M, BLOCK_D2]
     if D_BY_MATMUL:

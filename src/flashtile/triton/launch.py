@@ -173,8 +173,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
                           dq, dk, dv) -> bool:
     """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
     plain full or causal attention in 16 bits (O and dO in Q's dtype: its D is a matmul of the two) at head
-    dims 64 and 128 (V's too) on an sm_90 GPU with the
-    Triton series it is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
+    dims 64 and 128 (V's too) on an sm_90 GPU with the Triton series it is written for, and not
+    ``deterministic`` (its dQ is summed with atomic adds);
     Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and every
     tensor, the padded float32 dQ accumulator included, must stay within 32-bit offsets."""
     if not _plain(options, tensors) or sm90_bwd is None or options.deterministic:
@@ -182,7 +182,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     batch, seqlen_q, nheads_q, head_dim = q.shape
     padded_q = cdiv(seqlen_q, sm90_bwd.BLOCK_M) * sm90_bwd.BLOCK_M
     return (q.dtype in (torch.float16, torch.bfloat16) and out.dtype == dout.dtype == q.dtype
-            and head_dim in (64, 128) and v.shape[-1] == head_dim and q.numel() > 0 and k.numel() > 0 and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
+            and head_dim in (64, 128) and v.shape[-1] == head_dim and q.numel() > 0 and k.numel() > 0
+            and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v, out, dout)
             and all(t.stride(-1) == 1 for t in (dq, dk, dv))
             and not wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv))
@@ -384,13 +385,13 @@ def _record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, options: A
     block_dv, block_dv2 = configs.bwd_head_dim_chunks(head_dim_v)
     # the preprocess's matmul on float32 runs on the CUDA cores, its tiles in shared memory: 16 rows keep
     # those within 32 KiB at a 256-wide head (64 would take 128 KiB, beyond many GPUs' 99 KiB)
-    rows = 16 if out.dtype == torch.float32 else 64
+    preprocess_rows = 16 if out.dtype == torch.float32 else 64
     plans.launch(
-        plan, attn_bwd_preprocess_kernel, (cdiv(seqlen_q, rows), nheads_q, batch),
+        plan, attn_bwd_preprocess_kernel, (cdiv(seqlen_q, preprocess_rows), nheads_q, batch),
         Out=out, DOut=dout, Delta=delta, CuSeqlensQ=variant["CuSeqlensQ"],
         **_token_strides("o", out), **_token_strides("do", dout), **_lse_strides(lse),
         seqlen_q=variant["seqlen_q"], IS_VARLEN=tensors.is_varlen, HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
-        BLOCK_D2=block_dv2, BLOCK_M=rows, D_BY_MATMUL=out.dtype == dout.dtype,
+        BLOCK_D2=block_dv2, BLOCK_M=preprocess_rows, D_BY_MATMUL=out.dtype == dout.dtype,
         DOT_PRECISION=variant["DOT_PRECISION"], WIDE=wide,
     )
     shared = dict(Q=q, K=k, V=v, DOut=dout, Lse=lse, Delta=delta, **variant,
