@@ -38,7 +38,10 @@ CASES = [f"{kernel}-d{head_dim}-{mask}" for kernel in ("bwd", "fwd") for head_di
                                             "fwd_persistent-d128-full", "fwd_persistent-d64-causal",
                                             "fwd_persistent-d128-causal", "bwd_preprocess-d64-full",
                                             "bwd_preprocess-d128-full", "fwd-d256-full", "fwd-d256-causal",
-                                            "fwd_sink-d256-causal"]  # 192 runs the d256 kernel (tile_head_dim)
+                                            "fwd_sink-d256-causal", "bwd-d192-full", "bwd-d256-full",
+                                            "bwd-d256-causal", "bwd_preprocess-d192-full", "bwd_preprocess-d256-full"]
+# the forward at 192 runs the d256 kernel (tile_head_dim); the backward's wide schedule at 192 is the 256 one
+# with the real head dim masking dK and dV, compiled here too
 
 
 class _Sm90Target:
@@ -90,13 +93,28 @@ def _compile(case: str):
             ROWS=sm90_fwd.ROWS, BLOCK_N=block_n, HEAD_DIM=width, NUM_STAGES=sm90_fwd.NUM_STAGES,
             HAS_SINK=kernel == "fwd_sink", PERSISTENT=kernel == "fwd_persistent", num_warps=4, grid=(1, ),
         )
+    width = sm90_fwd.tile_head_dim(head_dim)
+    if width > 128:  # the wide schedule's accumulator: a head's rows of 256 floats follow each other
+        accum = torch.empty(2, 4, 1024, width).transpose(1, 2)
     if kernel == "bwd_preprocess":
         return sm90_bwd._bwd_preprocess_kernel.warmup(
-            o_desc=descriptor(q, sm90_bwd.BLOCK_M), do_desc=descriptor(q, sm90_bwd.BLOCK_M), Lse=stats, Lse2=stats,
-            Delta=stats, DQAccum=accum, stride_lb=stats.stride(0), stride_lh=stats.stride(1),
+            o_desc=descriptor(q, sm90_bwd.BLOCK_M, width), do_desc=descriptor(q, sm90_bwd.BLOCK_M, width), Lse=stats,
+            Lse2=stats, Delta=stats, DQAccum=accum, stride_lb=stats.stride(0), stride_lh=stats.stride(1),
             stride_pb=stats.stride(0), stride_ph=stats.stride(1), stride_ab=accum.stride(0), stride_as=accum.stride(1),
             stride_ah=accum.stride(2),
-            seqlen_q=1000, ROWS=sm90_bwd.BLOCK_M, HEAD_DIM=head_dim, num_warps=4, grid=(1, ),
+            seqlen_q=1000, ROWS=sm90_bwd.BLOCK_M, HEAD_DIM=width, num_warps=4, grid=(1, ),
+        )
+    if width > 128:
+        half, block_n = sm90_bwd.WIDE_HALF, sm90_bwd.WIDE_BLOCK_N
+        return sm90_bwd._attn_bwd_sm90_wide_kernel.warmup(
+            q_desc=descriptor(q, sm90_bwd.BLOCK_M, half), k_desc=descriptor(q, block_n, half),
+            v_desc=descriptor(q, block_n, half), do_desc=descriptor(q, sm90_bwd.BLOCK_M, half),
+            lse_desc=sm90_bwd._stats_descriptor(stats), delta_desc=sm90_bwd._stats_descriptor(stats), DK=q, DV=q,
+            DQAccum=accum, stride_dkb=q.stride(0), stride_dks=q.stride(1), stride_dkh=q.stride(2),
+            stride_dvb=q.stride(0), stride_dvs=q.stride(1), stride_dvh=q.stride(2), stride_ab=accum.stride(0),
+            stride_ah=accum.stride(2), group_size=1, seqlen_q=1000, seqlen_k=1000, qk_scale=0.1, sm_scale=0.07,
+            CAUSAL=causal, BLOCK_M=sm90_bwd.BLOCK_M, BLOCK_N=block_n, KEYS=sm90_bwd.WIDE_KEYS, HALF=half,
+            HEAD_DIM=head_dim, NUM_STAGES=sm90_bwd.NUM_STAGES, num_warps=4, grid=(1, ),
         )
     return sm90_bwd._attn_bwd_sm90_kernel.warmup(
         q_desc=descriptor(q, sm90_bwd.BLOCK_M), k_desc=descriptor(q, sm90_bwd.BLOCK_N),

@@ -51,6 +51,14 @@ def gluon_backward_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def wide_backward_calls(monkeypatch, gluon_backward_calls):
+    """Send head dims 192 and 256 to the fused backward's wide schedule too, which the launcher does not route
+    until it has run on a GPU (``sm90_bwd.ROUTED_HEAD_DIMS``), and count the fused backward's calls."""
+    monkeypatch.setattr(sm90_bwd, "ROUTED_HEAD_DIMS", (64, 128, 192, 256))
+    return gluon_backward_calls
+
+
 SEQLENS = [(1, 1), (1, 300), (17, 113), (113, 17), (203, 203), (300, 1000)]
 
 
@@ -78,21 +86,36 @@ def test_gluon_backward(gluon_backward_calls, dtype, head_dim, seqlens, causal):
 
 @on_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (8, 1)], ids=["gqa-6:2", "mqa-4:1", "mqa-8:1"])
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_backward_gqa(gluon_backward_calls, head_dim, heads, causal):
-    # dK/dV summed over the group inside one CTA
-    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, head_dim, torch.bfloat16, seed=22), causal=causal)
-    assert gluon_backward_calls
+@pytest.mark.parametrize("seqlens", SEQLENS + [(64, 64), (65, 65), (128, 1000), (1000, 128)],
+                         ids=lambda s: f"q{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("head_dim", [192, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_backward_wide(wide_backward_calls, dtype, head_dim, seqlens, causal):
+    # the wide schedule: 64-key CTAs whose warpgroups split the keys for S and dP (32 each) and the head dim for dK,
+    # dV and dQ; seqlens at and across the 64-row and 64-key block edges, Nq ≠ Nk both ways, one key (dq and dk
+    # exactly 0 only if its D and dP round alike), and 192 in 256-wide tiles whose last 64 columns are zeros
+    check_flash_attn_func(*make_inputs(2, *seqlens, 4, 4, head_dim, dtype, seed=24), causal=causal)
+    assert wide_backward_calls
 
 
 @on_sm90
-def test_gluon_backward_fully_masked_rows(gluon_backward_calls):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (8, 1)], ids=["gqa-6:2", "mqa-4:1", "mqa-8:1"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
+def test_gluon_backward_gqa(wide_backward_calls, head_dim, heads, causal):
+    # dK/dV summed over the group inside one CTA
+    check_flash_attn_func(*make_inputs(2, 130, 257, *heads, head_dim, torch.bfloat16, seed=22), causal=causal)
+    assert wide_backward_calls
+
+
+@on_sm90
+@pytest.mark.parametrize("head_dim", [128, 256], ids=lambda d: f"d{d}")
+def test_gluon_backward_fully_masked_rows(wide_backward_calls, head_dim):
     # causal with seqlen_q > seqlen_k: the first 170 rows see no key (LSE −inf), so their dQ is 0
-    q, k, v, do = make_inputs(1, 200, 30, 2, 2, 128, torch.bfloat16, seed=23)
+    q, k, v, do = make_inputs(1, 200, 30, 2, 2, head_dim, torch.bfloat16, seed=23)
     out = flashtile.flash_attn_func(q, k, v, causal=True)
     dq, _, _ = torch.autograd.grad(out, (q, k, v), do)
-    assert gluon_backward_calls
+    assert wide_backward_calls
     assert (dq[:, :170] == 0).all()
     check_flash_attn_func(q, k, v, do, causal=True)
 
@@ -290,6 +313,10 @@ def test_gluon_backward_only_where_it_applies(monkeypatch):
     assert usable(seqlens=(1, 1)) and usable(seqlens=(300, 7))  # no seqlen threshold
     assert not usable(options=AttentionOptions(0.1, deterministic=True))
     assert not usable(head_dim=96) and not usable(head_dim=256) and not usable(dtype=torch.float32)
+    with monkeypatch.context() as routed:  # the wide schedule, once routed: 192 and 256, nothing between
+        routed.setattr(sm90_bwd, "ROUTED_HEAD_DIMS", (64, 128, 192, 256))
+        assert usable(head_dim=192) and usable(head_dim=256, options=causal)
+        assert not usable(head_dim=96) and not usable(head_dim=160) and not usable(head_dim=224)
     for options in (AttentionOptions(0.1, 16, 0), AttentionOptions(0.1, softcap=30.0),
                     AttentionOptions(0.1, dropout_p=0.1)):
         assert not usable(options=options), options

@@ -64,7 +64,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ..triton import plans
-from .sm90_fwd import descriptor
+from .sm90_fwd import descriptor, tile_head_dim
 
 # Keys per CTA, split between the two consumer warpgroups, and query rows per step: 64-row steps keep
 # dK, dV, Sᵀ and dPᵀ near the registers a thread that setmaxnreg gives (240 at head dim 64; 248 and 232
@@ -75,6 +75,13 @@ BLOCK_N, KEYS, BLOCK_M, NUM_STAGES = 128, 64, 64, 2
 # benchmarks/results/h100_2026-12-05.md): the copy engine's reduce-add was 1.01–1.10× the atomics at
 # 128 and 0.95–0.99× at 64 (one cell 1.04), with the p20–p80 spreads apart in 10 of 12 cells.
 DQ_BY_TMA = {64: False, 128: True}
+# The head dims the launcher sends here. The wide schedule (192, 256) is compiled for sm_90a on any machine
+# (tests/test_gluon_compile.py) but has not run on a GPU yet: it joins these once tests/test_hopper.py passes on one
+# and its speed is measured against the Triton backward it would replace (benchmarks/NOTES.md, round 26)
+ROUTED_HEAD_DIMS = (64, 128)
+# Head dims above 128, the wide schedule (192 in 256-wide tiles, ``sm90_fwd.tile_head_dim``): BLOCK_N keys per CTA,
+# KEYS of them per consumer warpgroup for S and dP, and each warpgroup's dK, dV and dQ in one HALF of the head dim
+WIDE_BLOCK_N, WIDE_KEYS, WIDE_HALF = 64, 32, 128
 DQ_SWIZZLE_BYTES = 128  # the copy engine's widest swizzle, and so the widest box row it allows
 DQ_BOX_COLS = gl.constexpr(DQ_SWIZZLE_BYTES // 4)  # float32 columns of one bulk reduce's box
 
@@ -89,9 +96,11 @@ class _Tiling:
     HEAD_DIM: gl.constexpr
     NUM_STAGES: gl.constexpr
     DQ_BY_TMA: gl.constexpr
+    HALVES: gl.constexpr  # column pieces a tile of Q, K, V or dO is moved and kept in: 1, or 2 in the wide schedule
+    HALF: gl.constexpr  # columns of one piece
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA):
+    def __init__(self, CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA, HALVES, HALF):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -99,6 +108,8 @@ class _Tiling:
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.DQ_BY_TMA = gl.constexpr(DQ_BY_TMA)
+        self.HALVES = gl.constexpr(HALVES)
+        self.HALF = gl.constexpr(HALF)
 
 
 @gluon.jit
@@ -106,24 +117,31 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
               delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps,
               group_size, tiling):
     """One warp: K and V once, then (Qᵢ, LSEᵢ) and (dOᵢ, Dᵢ) for every step, a buffer refilled once
-    both consumers freed it."""
+    both consumers freed it. A tile moves in ``HALVES`` column pieces of ``HALF`` columns, piece h of
+    stage s at index s·HALVES + h of its buffer (K and V: at h)."""
     BLOCK_M: gl.constexpr = tiling.BLOCK_M
     NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [i_b, start_n, i_hk, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [i_b, start_n, i_hk, 0], kv_ready, v_smem)
+    HALVES: gl.constexpr = tiling.HALVES
+    HALF: gl.constexpr = tiling.HALF
+    mbarrier.expect(kv_ready, HALVES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for h in gl.static_range(HALVES):
+        tma.async_copy_global_to_shared(k_desc, [i_b, start_n, i_hk, h * HALF], kv_ready, k_smem.index(h))
+        tma.async_copy_global_to_shared(v_desc, [i_b, start_n, i_hk, h * HALF], kv_ready, v_smem.index(h))
     for t in range(n_steps):
         stage = t % NUM_STAGES
         # a fresh mbarrier counts the phase before its first as complete: the first lap passes
         mbarrier.wait(empty.index(stage), ((t // NUM_STAGES) & 1) ^ 1)
         i_hq = i_hk * group_size + t // m_blocks
         start_m = (first_m + t % m_blocks) * BLOCK_M
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_hq, 0], q_ready.index(stage), q_smem.index(stage))
+        mbarrier.expect(q_ready.index(stage), HALVES * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        for h in gl.static_range(HALVES):
+            tma.async_copy_global_to_shared(q_desc, [i_b, start_m, i_hq, h * HALF], q_ready.index(stage),
+                                            q_smem.index(stage * HALVES + h))
         tma.async_copy_global_to_shared(lse_desc, [i_b, i_hq, start_m], q_ready.index(stage), lse_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [i_b, start_m, i_hq, 0], do_ready.index(stage),
-                                        do_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), HALVES * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        for h in gl.static_range(HALVES):
+            tma.async_copy_global_to_shared(do_desc, [i_b, start_m, i_hq, h * HALF], do_ready.index(stage),
+                                            do_smem.index(stage * HALVES + h))
         tma.async_copy_global_to_shared(delta_desc, [i_b, i_hq, start_m], do_ready.index(stage),
                                         delta_smem.index(stage))
 
@@ -207,9 +225,9 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 
     my_start = start_n + which * KEYS
     keys = my_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
-    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+    k_all = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
     k_mine = k_all.slice(which * KEYS, KEYS, dim=0)  # [KEYS, HEAD_DIM]
-    v_mine = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(which * KEYS, KEYS, dim=0)
+    v_mine = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(which * KEYS, KEYS, dim=0)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     st_unused = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)  # use_acc=False ignores it
@@ -317,8 +335,8 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
 
     dtype: gl.constexpr = q_desc.dtype
     # tiles keep the descriptors' [1, rows, 1, HEAD_DIM] boxes; the consumers view them as 2-D
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], lse_desc.layout)
@@ -353,7 +371,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
 
-    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA)
+    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, DQ_BY_TMA, 1, HEAD_DIM)
     consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready,
                 empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
                 stride_dvh, i_b, i_hk, start_n, first_m, m_blocks,
@@ -380,6 +398,164 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
         gl.warp_specialize([(_consumer, (0, ) + consumer), (_consumer, (1, ) + consumer), (_producer, producer),
                             (_dq_writer_atomics, (0, ) + writer), (_dq_writer_atomics, (1, ) + writer)],
                            [4, 1, 1, 1], [240, 32, 32, 32])
+
+
+@gluon.jit
+def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_ready, q_ready,
+                   do_ready, empty, pds_ready, DK, DV, DQAccum, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                   stride_dvs, stride_dvh, stride_ab, stride_ah, i_b, i_hk, start_n, first_m, m_blocks,
+                   n_steps, group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling):
+    """One warpgroup of the wide schedule: S and dP of keys [start_n + which·KEYS, +KEYS) against each query
+    block; then, from both warpgroups' P and dS, dK, dV and dQ in head-dim columns [which·HALF, +HALF)."""
+    CAUSAL: gl.constexpr = tiling.CAUSAL
+    BLOCK_M: gl.constexpr = tiling.BLOCK_M
+    BLOCK_N: gl.constexpr = tiling.BLOCK_N
+    KEYS: gl.constexpr = tiling.KEYS
+    HALF: gl.constexpr = tiling.HALF
+    HEAD_DIM: gl.constexpr = tiling.HEAD_DIM  # the tensors' head dim: 192 leaves the second half's last 64 columns
+    NUM_STAGES: gl.constexpr = tiling.NUM_STAGES
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])  # S, dP
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF, 16])  # dK, dV, dQ
+    dtype: gl.constexpr = pt_smem.dtype
+
+    keys = start_n + which * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    # this warpgroup's keys in each half of K and V, as the B operands of S = Q Kᵀ and dP = dO Vᵀ: [HALF, KEYS]
+    k_mine_0 = k_smem.index(0).reshape([BLOCK_N, HALF]).slice(which * KEYS, KEYS, dim=0).permute((1, 0))
+    k_mine_1 = k_smem.index(1).reshape([BLOCK_N, HALF]).slice(which * KEYS, KEYS, dim=0).permute((1, 0))
+    v_mine_0 = v_smem.index(0).reshape([BLOCK_N, HALF]).slice(which * KEYS, KEYS, dim=0).permute((1, 0))
+    v_mine_1 = v_smem.index(1).reshape([BLOCK_N, HALF]).slice(which * KEYS, KEYS, dim=0).permute((1, 0))
+    k_half = k_smem.index(which).reshape([BLOCK_N, HALF])  # every key, this warpgroup's columns: dQ's B
+    dk = gl.zeros([BLOCK_N, HALF], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HALF], gl.float32, layout=acc_layout)
+    s_unused = gl.zeros([BLOCK_M, KEYS], gl.float32, layout=s_layout)  # use_acc=False ignores it
+    dq_unused = gl.zeros([BLOCK_M, HALF], gl.float32, layout=acc_layout)
+    # dQ's rows and this warpgroup's columns of a block of the accumulator, whose rows of 2·HALF floats follow
+    # each other (:func:`backward_buffers`): offsets known at compile time, which the atomic adds take as immediates
+    dq_tile = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)), 1) * (2 * HALF)
+               + which * HALF + gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout)), 0))
+    band_end = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1  # as in _consumer
+    mbarrier.wait(kv_ready, 0)
+
+    for t in range(n_steps):
+        stage = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
+        i_hq = i_hk * group_size + t // m_blocks
+        start_m = (first_m + t % m_blocks) * BLOCK_M
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        q_0 = q_smem.index(2 * stage).reshape([BLOCK_M, HALF])  # [BLOCK_M, HALF]
+        q_1 = q_smem.index(2 * stage + 1).reshape([BLOCK_M, HALF])
+        do_0 = do_smem.index(2 * stage).reshape([BLOCK_M, HALF])
+        do_1 = do_smem.index(2 * stage + 1).reshape([BLOCK_M, HALF])
+
+        # -- S = Q Kᵀ and dP = dO Vᵀ for this warpgroup's keys, over both halves of the head dim
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_token = warpgroup_mma(q_0, k_mine_0, s_unused, use_acc=False, is_async=True)
+        s_token = warpgroup_mma(q_1, k_mine_1, s_token, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_token = warpgroup_mma(do_0, v_mine_0, s_unused, use_acc=False, is_async=True)
+        dp_token = warpgroup_mma(do_1, v_mine_1, dp_token, is_async=True)
+        lse2 = lse_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(1, s_layout))  # [BLOCK_M]
+        s = warpgroup_mma_wait(2, deps=(s_token, ))  # [BLOCK_M, KEYS]
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        needs_mask = start_n + BLOCK_N > seqlen_k
+        if CAUSAL:
+            needs_mask = needs_mask | (start_m + diagonal < band_end)
+        if needs_mask:
+            visible = gl.expand_dims(keys < seqlen_k, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diagonal, 1))
+            p = gl.where(visible, p, 0.0)
+        delta = delta_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(1, s_layout))
+        dp = warpgroup_mma_wait(0, deps=(dp_token, ))
+        ds = p * (dp - gl.expand_dims(delta, 1)) * sm_scale  # [BLOCK_M, KEYS]
+
+        # -- Pᵀ and dSᵀ of this warpgroup's keys into the step's buffers, whose other rows the other warpgroup writes
+        buffer = t % 2
+        pt_smem.index(buffer).slice(which * KEYS, KEYS, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
+        dst_smem.index(buffer).slice(which * KEYS, KEYS, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's rows are stored before the one arrival
+        mbarrier.arrive(pds_ready.index(buffer))
+        # the other warpgroup rewrites this buffer at step t + 2 only after passing step t + 1's wait, which needs
+        # this warpgroup's step t + 1 rows, stored after the matmuls below completed: two buffers need no other guard
+        mbarrier.wait(pds_ready.index(buffer), (t // 2) & 1)
+        pt = pt_smem.index(buffer)  # [BLOCK_N, BLOCK_M]
+        dst = dst_smem.index(buffer)
+
+        # -- dV += Pᵀ dO, dK += dSᵀ Q and dQ = dS K in this warpgroup's columns
+        dv_token = warpgroup_mma(pt, do_smem.index(2 * stage + which).reshape([BLOCK_M, HALF]), dv, is_async=True)
+        dk_token = warpgroup_mma(dst, q_smem.index(2 * stage + which).reshape([BLOCK_M, HALF]), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_token, dk_token))
+        mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
+        dq_token = warpgroup_mma(dst.permute((1, 0)), k_half, dq_unused, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq_token, ))  # [BLOCK_M, HALF]
+        # the accumulator's rows are padded to whole blocks and its columns to 2·HALF: no mask
+        gl.atomic_add(DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * (2 * HALF) + dq_tile, dq, sem="relaxed")
+
+    # -- dK and dV of every key in this warpgroup's columns, straight from registers
+    out_keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+    inside = gl.expand_dims(out_keys < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    gl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + gl.expand_dims(out_keys, 1) * stride_dks
+             + gl.expand_dims(cols, 0), dk.to(dtype), mask=inside)
+    gl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + gl.expand_dims(out_keys, 1) * stride_dvs
+             + gl.expand_dims(cols, 0), dv.to(dtype), mask=inside)
+
+
+@gluon.jit
+def _attn_bwd_sm90_wide_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQAccum, stride_dkb,
+                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr, HALF: gl.constexpr,
+                               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    i_n = gl.program_id(0)
+    i_hk = gl.program_id(1)
+    i_b = gl.program_id(2)
+    start_n = i_n * BLOCK_N
+    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
+    if CAUSAL:
+        first_m = gl.maximum(start_n - diagonal, 0) // BLOCK_M
+    else:
+        first_m = 0
+    m_blocks = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
+    n_steps = group_size * m_blocks
+
+    dtype: gl.constexpr = q_desc.dtype
+    # each tile in two column halves, one copy-engine box each (see _producer); at head dim 256: K and V 64 KiB,
+    # two stages of Qᵢ and dOᵢ 128 KiB, Pᵀ and dSᵀ 32 KiB
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HALF], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, 1, HALF], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, 1, BLOCK_M, 1, HALF], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, 1, BLOCK_M, 1, HALF], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], delta_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    pds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a buffer
+    for i in gl.static_range(2):
+        mbarrier.init(pds_ready.index(i), count=2)  # both consumers' rows of Pᵀ and dSᵀ
+
+    tiling = _Tiling(CAUSAL, BLOCK_M, BLOCK_N, KEYS, HEAD_DIM, NUM_STAGES, False, 2, HALF)
+    consumer = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_ready, q_ready, do_ready,
+                empty, pds_ready, DK, DV, DQAccum, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                stride_dvh, stride_ab, stride_ah, i_b, i_hk, start_n, first_m, m_blocks, n_steps,
+                group_size, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale, tiling)
+    producer = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                delta_smem, kv_ready, q_ready, do_ready, empty, i_b, i_hk, start_n, first_m, m_blocks, n_steps,
+                group_size, tiling)
+    gl.warp_specialize([(_wide_consumer, (0, ) + consumer), (_wide_consumer, (1, ) + consumer),
+                        (_producer, producer)], [4, 1], [240, 24])
 
 
 @gluon.jit
@@ -456,12 +632,19 @@ def _accumulator_descriptor(t: torch.Tensor) -> TensorDescriptor:
 def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's float32 work buffers for q [B, Nq, Hq, D], each over whole row blocks: the
     log-sum-exp in base 2 and D = rowsum(dO ∘ O), [B, Hq, padded Nq], and the dQ accumulator
-    [B, padded Nq, Hq, D]: dQ's own layout, so that its conversion to dQ is a copy without a transpose."""
+    [B, padded Nq, Hq, D]. The accumulator has dQ's own layout, so that its conversion to dQ is a copy without a
+    transpose; except in the wide schedule, whose atomic adds take their offsets as immediates from rows of a head
+    that follow each other: there it is a [B, Hq, padded Nq, 256] buffer seen through that shape (192 in 256
+    columns, which the kernel adds to without masks)."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     padded_q = -(-seqlen_q // BLOCK_M) * BLOCK_M  # ceil to whole blocks on Python ints
     lse2 = torch.empty((batch, nheads_q, padded_q), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, padded_q, nheads_q, head_dim), dtype=torch.float32, device=q.device)
+    width = tile_head_dim(head_dim)
+    if width > 128:
+        dq_accum = torch.empty((batch, nheads_q, padded_q, width), dtype=torch.float32, device=q.device).transpose(1, 2)
+    else:
+        dq_accum = torch.empty((batch, padded_q, nheads_q, head_dim), dtype=torch.float32, device=q.device)
     return lse2, delta, dq_accum
 
 
@@ -474,22 +657,35 @@ def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse
     through ``plan`` (``flashtile.triton.plans``: later calls of the key replay the launches)."""
     batch, seqlen_q, nheads_q, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    padded_q = lse2.shape[-1]
+    padded_q, width = lse2.shape[-1], tile_head_dim(head_dim)
     plans.launch(
         plan, _bwd_preprocess_kernel, (padded_q // BLOCK_M, nheads_q, batch),
-        o_desc=descriptor(out, BLOCK_M), do_desc=descriptor(dout, BLOCK_M), Lse=lse, Lse2=lse2, Delta=delta,
-        DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),
+        o_desc=descriptor(out, BLOCK_M, width), do_desc=descriptor(dout, BLOCK_M, width), Lse=lse, Lse2=lse2,
+        Delta=delta, DQAccum=dq_accum, stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_pb=lse2.stride(0),
         stride_ph=lse2.stride(1), stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1),
-        stride_ah=dq_accum.stride(2), seqlen_q=seqlen_q, ROWS=BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
+        stride_ah=dq_accum.stride(2), seqlen_q=seqlen_q, ROWS=BLOCK_M, HEAD_DIM=width, num_warps=4,
     )
+    strides = dict(stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2), stride_dvb=dv.stride(0),
+                   stride_dvs=dv.stride(1), stride_dvh=dv.stride(2), stride_ab=dq_accum.stride(0),
+                   stride_ah=dq_accum.stride(2))
+    if width > 128:
+        plans.launch(
+            plan, _attn_bwd_sm90_wide_kernel, (-(-seqlen_k // WIDE_BLOCK_N), nheads_k, batch),
+            q_desc=descriptor(q, BLOCK_M, WIDE_HALF), k_desc=descriptor(k, WIDE_BLOCK_N, WIDE_HALF),
+            v_desc=descriptor(v, WIDE_BLOCK_N, WIDE_HALF), do_desc=descriptor(dout, BLOCK_M, WIDE_HALF),
+            lse_desc=_stats_descriptor(lse2), delta_desc=_stats_descriptor(delta), DK=dk, DV=dv, DQAccum=dq_accum,
+            **strides, group_size=nheads_q // nheads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale, CAUSAL=causal, BLOCK_M=BLOCK_M,
+            BLOCK_N=WIDE_BLOCK_N, KEYS=WIDE_KEYS, HALF=WIDE_HALF, HEAD_DIM=head_dim, NUM_STAGES=NUM_STAGES,
+            num_warps=4,
+        )
+        return
     plans.launch(
         plan, _attn_bwd_sm90_kernel, (-(-seqlen_k // BLOCK_N), nheads_k, batch),
         q_desc=descriptor(q, BLOCK_M), k_desc=descriptor(k, BLOCK_N), v_desc=descriptor(v, BLOCK_N),
         do_desc=descriptor(dout, BLOCK_M), lse_desc=_stats_descriptor(lse2), delta_desc=_stats_descriptor(delta),
-        dq_desc=_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum,
-        stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
-        stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        stride_ab=dq_accum.stride(0), stride_as=dq_accum.stride(1), stride_ah=dq_accum.stride(2),
+        dq_desc=_accumulator_descriptor(dq_accum), DK=dk, DV=dv, DQAccum=dq_accum, **strides,
+        stride_as=dq_accum.stride(1),
         group_size=nheads_q // nheads_k,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=softmax_scale * 1.4426950408889634, sm_scale=softmax_scale,

@@ -171,10 +171,10 @@ def gluon_usable(options: AttentionOptions, tensors: AttentionTensors, q: torch.
 
 def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, q, k, v, out, dout,
                           dq, dk, dv) -> bool:
-    """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernel: as the forward, for
-    plain full or causal attention in 16 bits (O and dO in Q's dtype: its D is a matmul of the two) at head
-    dims 64 and 128 (V's too) on an sm_90 GPU with the Triton series it is written for, and not
-    ``deterministic`` (its dQ is summed with atomic adds);
+    """Whether the backward runs ``flashtile.gluon.sm90_bwd``'s fused kernels: as the forward, for
+    plain full or causal attention in 16 bits (O and dO in Q's dtype: its D is a matmul of the two) at the
+    head dims it routes (``sm90_bwd.ROUTED_HEAD_DIMS``; V's the same) on an sm_90 GPU with the Triton series it
+    is written for, and not ``deterministic`` (its dQ is summed with atomic adds);
     Q, K, V, O and dO must suit the copy engine, the gradients need a contiguous head dim, and every
     tensor, the padded float32 dQ accumulator included, must stay within 32-bit offsets."""
     if not _plain(options, tensors) or sm90_bwd is None or options.deterministic:
@@ -182,8 +182,8 @@ def gluon_backward_usable(options: AttentionOptions, tensors: AttentionTensors, 
     batch, seqlen_q, nheads_q, head_dim = q.shape
     padded_q = cdiv(seqlen_q, sm90_bwd.BLOCK_M) * sm90_bwd.BLOCK_M
     return (q.dtype in (torch.float16, torch.bfloat16) and out.dtype == dout.dtype == q.dtype
-            and head_dim in (64, 128) and v.shape[-1] == head_dim and q.numel() > 0 and k.numel() > 0
-            and batch * nheads_q * padded_q * head_dim <= configs.INT32_MAX
+            and head_dim in sm90_bwd.ROUTED_HEAD_DIMS and v.shape[-1] == head_dim and q.numel() > 0
+            and k.numel() > 0 and batch * nheads_q * padded_q * sm90_fwd.tile_head_dim(head_dim) <= configs.INT32_MAX
             and _is_sm90(q.device) and _descriptor_compatible(q, k, v, out, dout)
             and all(t.stride(-1) == 1 for t in (dq, dk, dv))
             and not wide_offsets(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv))
@@ -347,7 +347,7 @@ def attention_backward(dout, q, k, v, out, lse, options: AttentionOptions, tenso
             plans.replay_or_record(call_key, plan, call, lambda plan: sm90_bwd.record_backward(
                 plan, *call, options.softmax_scale, options.causal))
             seqlen_q = q.shape[1]
-            dq.copy_(dq_accum[:, :seqlen_q])
+            dq.copy_(dq_accum[:, :seqlen_q, :, :q.shape[-1]])
         return None, delta[:, :, :seqlen_q]
     shape = _shape(q, k, options, tensors)
     batch, seqlen_q, seqlen_k, nheads_q, nheads_k, head_dim = shape
