@@ -28,6 +28,20 @@ block (``BLOCK_M`` = 64 rows) of every query head of its group, in warp-speciali
   permuted order, which a 5-D view of the accumulator undoes. The launcher converts the accumulator
   to dQ's dtype.
 
+Above head dim 128 (192 in 256-wide tiles, as the forward's) the accumulators of 64 keys no longer fit a
+warpgroup's registers (dK and dV alone would take 256 a thread), and Q, dO, K and V tiles leave no shared memory
+for a staged dQ. The **wide schedule** (``_attn_bwd_sm90_wide_kernel``, FA3's at head dim 256) splits the work
+the other way: a CTA owns ``WIDE_BLOCK_N`` = 64 keys, every tile is kept in two 128-column halves, and per query
+block each consumer warpgroup
+
+* computes ``S = Qᵢ Kᵀ`` and ``dP = dOᵢ Vᵀ`` for its 32 of the keys over the whole head dim, then P and dS;
+* stores its Pᵀ and dSᵀ rows to shared memory (two buffers, alternating) and waits for the other's;
+* does ``dV += Pᵀ dOᵢ``, ``dK += dSᵀ Qᵢ`` and ``dQᵢ = dS K`` for all 64 keys in its half of the head dim,
+  dK and dV held in registers (64 + 64 a thread) across the walk;
+* adds its half of dQᵢ to the float32 accumulator straight from registers with 2-float vector atomics (no
+  staging tile, no writer warps; FA3 does the same at 256), whose offsets are compile-time immediates because
+  the accumulator keeps a head's rows together there (:func:`backward_buffers`).
+
 The softmax scale is folded into dS, so dK and dQ need no scaling afterwards. A preprocess kernel
 writes D = rowsum(dO ∘ O) with the tensor cores (see its docstring), LSE·log2 e and the zeroed dQ
 accumulator, all padded to whole query blocks so that the main kernel needs no row masks.
@@ -42,7 +56,8 @@ GQA by ``h // (nheads_q // nheads_k)``, bottom-right causal alignment (key ``j``
 log-sum-exp in natural log. A query row that saw no key (LSE −inf) and rows past the end get P = 0.
 
 Limits (``flashtile.triton.launch.attention_backward`` sends everything else to the Triton kernels):
-sm_90 only; bf16/fp16; head dims 64 and 128; full or causal attention without bias, ALiBi,
+sm_90 only; bf16/fp16; head dims 64 and 128, and 192 and 256 in the wide schedule once routed
+(``ROUTED_HEAD_DIMS``: not before it has run on a GPU); full or causal attention without bias, ALiBi,
 softcap, window, dropout or packed batches; Q, K, V, O and dO whose strides the copy engine accepts.
 Gluon has no interpreter, so this file runs on the GPU only (tests/test_hopper.py); its compiled
 form is checked on any machine by tests/test_gluon_compile.py.
@@ -484,12 +499,14 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
         pt = pt_smem.index(buffer)  # [BLOCK_N, BLOCK_M]
         dst = dst_smem.index(buffer)
 
-        # -- dV += Pᵀ dO, dK += dSᵀ Q and dQ = dS K in this warpgroup's columns
+        # -- dV += Pᵀ dO, dK += dSᵀ Q and dQ = dS K in this warpgroup's columns, issued together (192 accumulator
+        # registers a thread, which ptxas schedules without serializing); deferring the atomic adds to the next
+        # step, under its S and dP, made ptxas serialize every wgmma and spill 2 KiB (sm_90a, compiled on a CPU)
         dv_token = warpgroup_mma(pt, do_smem.index(2 * stage + which).reshape([BLOCK_M, HALF]), dv, is_async=True)
         dk_token = warpgroup_mma(dst, q_smem.index(2 * stage + which).reshape([BLOCK_M, HALF]), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_token, dk_token))
-        mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
         dq_token = warpgroup_mma(dst.permute((1, 0)), k_half, dq_unused, use_acc=False, is_async=True)
+        dv, dk = warpgroup_mma_wait(1, deps=(dv_token, dk_token))
+        mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
         dq = warpgroup_mma_wait(0, deps=(dq_token, ))  # [BLOCK_M, HALF]
         # the accumulator's rows are padded to whole blocks and its columns to 2·HALF: no mask
         gl.atomic_add(DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * (2 * HALF) + dq_tile, dq, sem="relaxed")
