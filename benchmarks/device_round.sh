@@ -34,11 +34,14 @@
 #                                             backward, flashtile and cuDNN; benchmarks/profile_rows.py), and its table
 #   bash benchmarks/device_round.sh source    Nsight Compute's warp-stall samples per SASS instruction of the fused
 #                                             backward's main kernel (CASES, default d128-8192; profile_rows.py)
+#   bash benchmarks/device_round.sh wide      the fused backward's wide schedule (head dims 192/256, written in the
+#                                             twenty-sixth session without a GPU, not routed yet): its tests, memcheck
+#                                             over two of them, then benchmarks/experiments/sm90_bwd_wide.py
 # Each writes at most 8 files under $OUT (logs and JSON; the plots packed in one archive).
 if [ "$1" != tests ] && [ "$1" != features ] && [ "$1" != timings ] && [ "$1" != before-after ] && [ "$1" != host ] \
    && [ "$1" != verify ] && [ "$1" != serving ] && [ "$1" != tables ] && [ "$1" != profile ] \
-   && [ "$1" != source ]; then
-  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables|profile|source" >&2
+   && [ "$1" != source ] && [ "$1" != wide ]; then
+  echo "usage: bash benchmarks/device_round.sh tests|features|timings|before-after DIR|host DIR|verify DIR|serving|tables|profile|source|wide" >&2
   exit 2
 fi
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -54,6 +57,17 @@ if [ "$1" = tests ]; then  # -v: a run that the limit cuts still names its failu
     tests/test_malformed.py tests/test_large_offsets.py tests/test_serving.py -k "malformed or kernels_stay or \
     past_2_31 or paged_varlen_prefill or many_key_blocks or leftpad or fp8_kv or outside" > $OUT/memcheck.log 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" $OUT/memcheck.log | sort | uniq -c | tail -8
+  exit
+fi
+if [ "$1" = wide ]; then
+  timeout 200 python3 -m pytest -v -n 15 tests/test_hopper.py tests/test_gluon_compile.py -k "wide or gqa or masked_rows \
+    or only_where or compiles" > $OUT/pytest.log 2>&1
+  grep -E "FAILED|ERROR|passed|failed" $OUT/pytest.log | tail -25
+  timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+    "tests/test_hopper.py::test_gluon_backward_wide[bf16-d192-q17-k113-causal]" \
+    "tests/test_hopper.py::test_gluon_backward_wide[fp16-d256-q1000-k128-full]" > $OUT/memcheck.log 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" $OUT/memcheck.log | sort | uniq -c | tail -4
+  timeout 250 python3 benchmarks/experiments/sm90_bwd_wide.py 2>&1 | tee $OUT/sm90_bwd_wide.log
   exit
 fi
 if [ "$1" = features ]; then
