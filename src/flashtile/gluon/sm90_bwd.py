@@ -446,10 +446,11 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
     dv = gl.zeros([BLOCK_N, HALF], gl.float32, layout=acc_layout)
     s_unused = gl.zeros([BLOCK_M, KEYS], gl.float32, layout=s_layout)  # use_acc=False ignores it
     dq_unused = gl.zeros([BLOCK_M, HALF], gl.float32, layout=acc_layout)
-    # dQ's rows and this warpgroup's columns of a block of the accumulator, whose rows of 2·HALF floats follow
-    # each other (:func:`backward_buffers`): offsets known at compile time, which the atomic adds take as immediates
+    # a block's rows and HALF columns in the accumulator, whose rows of 2·HALF floats follow each other
+    # (:func:`backward_buffers`): offsets known at compile time, which the atomic adds take as immediates (with
+    # ``which · HALF`` in here too, ptxas gave consumer 1 an address register pair per atomic, and its spills)
     dq_tile = (gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)), 1) * (2 * HALF)
-               + which * HALF + gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout)), 0))
+               + gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout)), 0))
     band_end = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1  # as in _consumer
     mbarrier.wait(kv_ready, 0)
 
@@ -509,7 +510,8 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
         mbarrier.arrive(empty.index(stage))  # Qᵢ and dOᵢ are read
         dq = warpgroup_mma_wait(0, deps=(dq_token, ))  # [BLOCK_M, HALF]
         # the accumulator's rows are padded to whole blocks and its columns to 2·HALF: no mask
-        gl.atomic_add(DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * (2 * HALF) + dq_tile, dq, sem="relaxed")
+        gl.atomic_add(DQAccum + i_b * stride_ab + i_hq * stride_ah + start_m * (2 * HALF) + which * HALF + dq_tile, dq,
+                      sem="relaxed")
 
     # -- dK and dV of every key in this warpgroup's columns, straight from registers
     out_keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -668,7 +670,8 @@ def backward_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse2, delta, dq_accum,
                     softmax_scale: float, causal: bool) -> None:
     """Writes dk/dv (any strides with a contiguous head dim) and the buffers of :func:`backward_buffers`
-    (D in ``delta`` [B, Hq, padded Nq], dQ in ``dq_accum`` [B, padded Nq, Hq, D]) for q [B, Nq, Hq, D], k/v
+    (D in ``delta`` [B, Hq, padded Nq], dQ in ``dq_accum`` [B, padded Nq, Hq, D], above head dim 128 a view of a
+    [B, Hq, padded Nq, 256] buffer whose row stride the wide kernel takes as a constant) for q [B, Nq, Hq, D], k/v
     [B, Nk, Hk, D], out and dout like q, lse [B, Hq, Nq] float32, for inputs that
     ``flashtile.triton.launch.gluon_backward_usable`` found within this file's limits, launching
     through ``plan`` (``flashtile.triton.plans``: later calls of the key replay the launches)."""
@@ -686,6 +689,7 @@ def record_backward(plan: plans.LaunchPlan, dout, q, k, v, out, lse, dk, dv, lse
                    stride_dvs=dv.stride(1), stride_dvh=dv.stride(2), stride_ab=dq_accum.stride(0),
                    stride_ah=dq_accum.stride(2))
     if width > 128:
+        assert dq_accum.stride(1) == 2 * WIDE_HALF, "the wide kernel's accumulator rows follow each other"
         plans.launch(
             plan, _attn_bwd_sm90_wide_kernel, (-(-seqlen_k // WIDE_BLOCK_N), nheads_k, batch),
             q_desc=descriptor(q, BLOCK_M, WIDE_HALF), k_desc=descriptor(k, WIDE_BLOCK_N, WIDE_HALF),
