@@ -52,7 +52,7 @@ the default, and ``deterministic=True`` takes the two-kernel Triton backward, wh
 
 Conventions are those of ``flashtile.triton.attention``: (batch, seqlen, nheads, head_dim) tensors,
 GQA by ``h // (nheads_q // nheads_k)``, bottom-right causal alignment (key ``j`` visible to query
-``i`` iff ``j ≤ i + Nk − Nq``, the rule of ``flashtile.triton.scores`` written again in Gluon), the
+``i`` iff ``j ≤ i + Nk − Nq``, the rule of ``flashtile.triton.scores`` written again in Gluon: ``_masked``), the
 log-sum-exp in natural log. A query row that saw no key (LSE −inf) and rows past the end get P = 0.
 
 Limits (``flashtile.triton.launch.attention_backward`` sends everything else to the Triton kernels):
@@ -125,6 +125,19 @@ class _Tiling:
         self.DQ_BY_TMA = gl.constexpr(DQ_BY_TMA)
         self.HALVES = gl.constexpr(HALVES)
         self.HALF = gl.constexpr(HALF)
+
+
+@gluon.jit
+def _walk(start_n, group_size, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """The query blocks a CTA whose keys start at ``start_n`` visits: (the diagonal's offset Nk − Nq, the first
+    query block, query blocks per head, steps over the head group)."""
+    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
+    if CAUSAL:  # the first query that sees key start_n is start_n − diagonal
+        first_m = gl.maximum(start_n - diagonal, 0) // BLOCK_M
+    else:
+        first_m = 0
+    m_blocks = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
+    return diagonal, first_m, m_blocks, group_size * m_blocks
 
 
 @gluon.jit
@@ -218,6 +231,23 @@ def _dq_writer_atomics(which, dq_smem, dq_full, dq_empty, DQAccum, stride_ab, st
 
 
 @gluon.jit
+def _masked(p, key_ids, query_ids, start_m, start_n, seqlen_k, diagonal, band_end, BLOCK_N: gl.constexpr,
+            CAUSAL: gl.constexpr):
+    """P of a block with the keys past the end, and under causal masking the keys past each query's diagonal, set
+    to 0; ``key_ids`` and ``query_ids`` broadcast against P in either orientation (Sᵀ or S). Only blocks that cross
+    the end of the keys or the diagonal pay for the mask: ``band_end`` is the last key of the CTA's block."""
+    needs_mask = start_n + BLOCK_N > seqlen_k
+    if CAUSAL:
+        needs_mask = needs_mask | (start_m + diagonal < band_end)
+    if needs_mask:
+        visible = key_ids < seqlen_k
+        if CAUSAL:
+            visible = visible & (key_ids <= query_ids + diagonal)
+        p = gl.where(visible, p, 0.0)
+    return p
+
+
+@gluon.jit
 def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
               do_ready, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
               i_b, i_hk, start_n, first_m, m_blocks, n_steps, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale,
@@ -268,16 +298,8 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
         # in registers for the whole step made this kernel spill at head dim 128
         lse2 = lse_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, st_layout))  # [BLOCK_M]
         s = warpgroup_mma_wait(1, deps=(s_token, ))  # [KEYS, BLOCK_M]
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-        # only blocks that cross the end of the keys or the causal diagonal pay for masking
-        needs_mask = start_n + BLOCK_N > seqlen_k
-        if CAUSAL:
-            needs_mask = needs_mask | (start_m + diagonal < band_end)
-        if needs_mask:
-            visible = gl.expand_dims(keys < seqlen_k, 1)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diagonal, 0))
-            p = gl.where(visible, p, 0.0)
+        p = _masked(gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0)), gl.expand_dims(keys, 1), gl.expand_dims(rows, 0),
+                    start_m, start_n, seqlen_k, diagonal, band_end, BLOCK_N, CAUSAL)
         p_low = p.to(dtype)
         dv_token = warpgroup_mma(gl.convert_layout(p_low, a_layout), do_tile, dv, is_async=True)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(0, st_layout))
@@ -340,13 +362,7 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
     start_n = i_n * BLOCK_N
-    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
-    if CAUSAL:  # the first query that sees key start_n is start_n − diagonal
-        first_m = gl.maximum(start_n - diagonal, 0) // BLOCK_M
-    else:
-        first_m = 0
-    m_blocks = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
-    n_steps = group_size * m_blocks
+    diagonal, first_m, m_blocks, n_steps = _walk(start_n, group_size, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
 
     dtype: gl.constexpr = q_desc.dtype
     # tiles keep the descriptors' [1, rows, 1, HEAD_DIM] boxes; the consumers view them as 2-D
@@ -474,15 +490,8 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
         dp_token = warpgroup_mma(do_1, v_mine_1, dp_token, is_async=True)
         lse2 = lse_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(1, s_layout))  # [BLOCK_M]
         s = warpgroup_mma_wait(2, deps=(s_token, ))  # [BLOCK_M, KEYS]
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        needs_mask = start_n + BLOCK_N > seqlen_k
-        if CAUSAL:
-            needs_mask = needs_mask | (start_m + diagonal < band_end)
-        if needs_mask:
-            visible = gl.expand_dims(keys < seqlen_k, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + diagonal, 1))
-            p = gl.where(visible, p, 0.0)
+        p = _masked(gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1)), gl.expand_dims(keys, 0), gl.expand_dims(rows, 1),
+                    start_m, start_n, seqlen_k, diagonal, band_end, BLOCK_N, CAUSAL)
         delta = delta_smem.index(stage).reshape([BLOCK_M]).load(gl.SliceLayout(1, s_layout))
         dp = warpgroup_mma_wait(0, deps=(dp_token, ))
         ds = p * (dp - gl.expand_dims(delta, 1)) * sm_scale  # [BLOCK_M, KEYS]
@@ -525,20 +534,15 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
 
 @gluon.jit
 def _attn_bwd_sm90_wide_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, DQAccum, stride_dkb,
-                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_ah, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                               stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_ab, stride_ah,
+                               group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr, HALF: gl.constexpr,
                                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
     start_n = i_n * BLOCK_N
-    diagonal = seqlen_k - seqlen_q  # bottom-right alignment
-    if CAUSAL:
-        first_m = gl.maximum(start_n - diagonal, 0) // BLOCK_M
-    else:
-        first_m = 0
-    m_blocks = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
-    n_steps = group_size * m_blocks
+    diagonal, first_m, m_blocks, n_steps = _walk(start_n, group_size, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
 
     dtype: gl.constexpr = q_desc.dtype
     # each tile in two column halves, one copy-engine box each (see _producer); at head dim 256: K and V 64 KiB,
