@@ -248,6 +248,17 @@ def _masked(p, key_ids, query_ids, start_m, start_n, seqlen_k, diagonal, band_en
 
 
 @gluon.jit
+def _store_dk_dv(DK, DV, dk, dv, keys, cols, inside, i_b, i_hk, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                 stride_dvs, stride_dvh):
+    """A CTA's dK and dV from registers: rows ``keys`` [R] and columns ``cols`` [C] of KV head ``i_hk``, where
+    ``inside`` (broadcast against [R, C]) holds."""
+    gl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + gl.expand_dims(keys, 1) * stride_dks
+             + gl.expand_dims(cols, 0), dk, mask=inside)
+    gl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + gl.expand_dims(keys, 1) * stride_dvs
+             + gl.expand_dims(cols, 0), dv, mask=inside)
+
+
+@gluon.jit
 def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
               do_ready, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
               i_b, i_hk, start_n, first_m, m_blocks, n_steps, seqlen_q, seqlen_k, diagonal, qk_scale, sm_scale,
@@ -345,11 +356,8 @@ def _consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
     # -- dK and dV rows of this warpgroup's keys, straight from registers
     out_keys = my_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    in_k = gl.expand_dims(out_keys < seqlen_k, 1)
-    gl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + gl.expand_dims(out_keys, 1) * stride_dks
-             + gl.expand_dims(cols, 0), dk.to(dtype), mask=in_k)
-    gl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + gl.expand_dims(out_keys, 1) * stride_dvs
-             + gl.expand_dims(cols, 0), dv.to(dtype), mask=in_k)
+    _store_dk_dv(DK, DV, dk.to(dtype), dv.to(dtype), out_keys, cols, gl.expand_dims(out_keys < seqlen_k, 1), i_b,
+                 i_hk, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh)
 
 
 @gluon.jit
@@ -526,10 +534,8 @@ def _wide_consumer(which, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
     out_keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     cols = which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
     inside = gl.expand_dims(out_keys < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-    gl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + gl.expand_dims(out_keys, 1) * stride_dks
-             + gl.expand_dims(cols, 0), dk.to(dtype), mask=inside)
-    gl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + gl.expand_dims(out_keys, 1) * stride_dvs
-             + gl.expand_dims(cols, 0), dv.to(dtype), mask=inside)
+    _store_dk_dv(DK, DV, dk.to(dtype), dv.to(dtype), out_keys, cols, inside, i_b, i_hk, stride_dkb, stride_dks,
+                 stride_dkh, stride_dvb, stride_dvs, stride_dvh)
 
 
 @gluon.jit
